@@ -1,0 +1,65 @@
+# The Tested Transformer. Two commands on a fresh clone:
+#   make book   build the HTML book into _build/html
+#   make test   run every test (unit tests, nbval over every notebook, the book build, the browser)
+# Both create .venv if it is missing and install the exact pins into it.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PORT ?= 8000
+NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	-n 2 --dist loadscope
+
+.PHONY: venv book test unit notebooks book-tests lab serve assignments browser-deps execute lint clean
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+venv: $(STAMP)
+
+book: venv
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	@echo "The book is in _build/html/index.html"
+
+# Debian's Chromium and its driver, for the browser test; installed only when missing.
+browser-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+unit: venv
+	$(PY) -m pytest -q -m "not book" tests
+
+notebooks: venv
+	$(PY) -m pytest -q $(NBVAL_FLAGS) book
+
+book-tests: venv browser-deps
+	$(PY) -m pytest -q -m book tests
+
+test: venv browser-deps
+	$(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
+	$(PY) -m pytest -q -m book tests
+
+lab: venv
+	$(VENV)/bin/jupyter lab --notebook-dir=book
+
+serve: book
+	$(PY) -m http.server $(PORT) --bind 127.0.0.1 --directory _build/html
+
+# Re-execute notebooks in place (all of them, or NB=book/01_attention.ipynb) and print their times.
+execute: venv
+	$(PY) tests/execute_notebooks.py $(or $(NB),book)
+
+lint: venv
+	$(VENV)/bin/ruff check utils tests
+
+clean:
+	rm -rf _build

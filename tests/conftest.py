@@ -1,0 +1,23 @@
+import sys
+from pathlib import Path
+
+# Let tests import the helper modules that sit beside them (tests/notebooks.py, ...).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HTML = ROOT / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def built_book():
+    """Build the book once per test session, as `make book` does; returns the build's result."""
+    jb = Path(sys.executable).parent / "jupyter-book"
+    proc = subprocess.run(
+        [str(jb), "build", ".", "-W", "-n", "--keep-going"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    return proc

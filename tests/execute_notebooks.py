@@ -1,0 +1,44 @@
+"""Execute notebooks in place, top to bottom in a fresh kernel, and print each one's run time.
+
+    python tests/execute_notebooks.py [PATH ...]     # files or folders; default: book/
+
+The kernel is this interpreter, so run it with the project's virtual environment (`make execute`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from notebooks import ROOT, book_notebooks  # noqa: E402
+
+
+def execute(path: Path, timeout: int = 300) -> float:
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
+    start = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - start
+    nbformat.write(nb, path)
+    return elapsed
+
+
+def main(args: list[str]) -> int:
+    paths: list[Path] = []
+    for a in args or [str(ROOT / "book")]:
+        p = Path(a).resolve()
+        paths += [q for q in book_notebooks() if p == q or p in q.parents] if p.is_dir() else [p]
+    for p in paths:
+        print(f"{execute(p):6.1f} s  {p.relative_to(ROOT)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
