@@ -58,6 +58,10 @@ serve: book
 execute: venv
 	$(PY) tests/execute_notebooks.py $(or $(NB),book)
 
+# Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
+assignments: venv
+	$(PY) scripts/make_assignments.py --out _build/assignments
+
 lint: venv
 	$(VENV)/bin/ruff check utils tests
 

@@ -10,6 +10,13 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
+# One-line summaries that tests ask to print at the end of the run (the browser test's counts).
+SUMMARY_LINES = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for line in config.stash.get(SUMMARY_LINES, []):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

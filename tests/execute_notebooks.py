@@ -21,7 +21,11 @@ from notebooks import ROOT, book_notebooks  # noqa: E402
 def execute(path: Path, timeout: int = 300) -> float:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,  # no per-cell timestamps in the stored notebook
+        resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
     client.execute()

@@ -32,7 +32,8 @@ class _Resources(HTMLParser):
             self.urls.append(a["src"])
         if tag == "link" and a.get("href"):
             rel = (a.get("rel") or "").lower()
-            if any(r in rel for r in ("stylesheet", "preload", "modulepreload", "icon", "prefetch")):
+            loads = ("stylesheet", "preload", "modulepreload", "icon", "prefetch")
+            if any(r in rel for r in loads):
                 self.urls.append(a["href"])
 
 

@@ -6,6 +6,7 @@ that later chapters can import it instead of writing it again.
 
 from __future__ import annotations
 
+import numbers
 import os
 import random
 
@@ -23,14 +24,18 @@ def seed_everything(seed: int) -> None:
     reproduced exactly.
 
     Args:
-        seed: any non-negative integer.
+        seed: an integer from 0 to 2**32 - 1 (the range NumPy accepts).
+
+    Raises:
+        ValueError: when ``seed`` is not an int (a bool is refused too) or is out of range.
     """
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
+    seed = int(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     # Needed by cuBLAS for deterministic matrix products on a GPU; harmless on the CPU.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002 (the global generator is what np.random.* calls use)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ._validation import require_broadcastable, require_rank, require_tensor, shape_str
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention"]
+__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention"]
 
 
 def scaled_dot_product_attention(
@@ -41,7 +41,8 @@ def scaled_dot_product_attention(
         (..., L_q, L_k), each weight row summing to 1 (or 0 for a fully masked row).
 
     Raises:
-        ValueError: when the ranks, d_k, L_k or the mask's shape do not fit together.
+        ValueError: when the ranks, d_k, L_k, the batch dims or the mask's shape do not fit
+            together, when q, k and v differ in dtype, or when the mask is not bool.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, t)
@@ -65,11 +66,12 @@ def scaled_dot_product_attention(
             f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
             " do not broadcast together"
         ) from None
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-    d_k = q.shape[-1]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., L_q, L_k)
     if mask is not None:
         require_tensor("mask", mask)
         if mask.dtype != torch.bool:
@@ -79,6 +81,10 @@ def scaled_dot_product_attention(
             )
         target = (*batch, q.shape[-2], k.shape[-2])
         require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
+
+    d_k = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., L_q, L_k)
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
         # A row with no allowed key would be softmax of all -inf = NaN; give it zeros instead.
         has_key = mask.any(dim=-1, keepdim=True)
@@ -89,6 +95,34 @@ def scaled_dot_product_attention(
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     return weights @ v, weights
+
+
+def _check_mask(mask: torch.Tensor, b: int, h: int, l_q: int, l_k: int) -> torch.Tensor:
+    """Validate a multi-head mask and return it ready to broadcast to (B, h, L_q, L_k)."""
+    require_tensor("mask", mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype} with shape "
+            f"{shape_str(mask)}; utils.masks converts PyTorch's other conventions"
+        )
+    if mask.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"mask must have shape (L_q, L_k), (B, L_q, L_k) or (B, h, L_q, L_k) = "
+            f"{shape_str((b, h, l_q, l_k))}, got {shape_str(mask)}"
+        )
+    full = mask.unsqueeze(1) if mask.dim() == 3 else mask  # (B, L_q, L_k): same for every head
+    try:
+        ok = tuple(torch.broadcast_shapes(full.shape, (b, h, l_q, l_k))) == (b, h, l_q, l_k)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        layout = {2: "(L_q, L_k)", 3: "(B, L_q, L_k)", 4: "(B, h, L_q, L_k)"}[mask.dim()]
+        raise ValueError(
+            f"mask of shape {shape_str(mask)}, read as {layout}, does not broadcast to "
+            f"(B, h, L_q, L_k) = {shape_str((b, h, l_q, l_k))}; a (B, L_k) padding mask must "
+            "first become (B, 1, 1, L_k) (utils.masks.padding_to_attention_mask)"
+        )
+    return full
 
 
 class MultiHeadAttention(nn.Module):
@@ -174,13 +208,7 @@ class MultiHeadAttention(nn.Module):
                 f"key {shape_str(key)}"
             )
         if mask is not None:
-            require_tensor("mask", mask)
-            if mask.dim() == 3:  # (B, L_q, L_k): the same mask for every head
-                mask = mask.unsqueeze(1)
-            b, l_q, l_k = query.shape[0], query.shape[1], key.shape[1]
-            require_broadcastable(
-                "mask", mask.shape, (b, self.num_heads, l_q, l_k), "(B, h, L_q, L_k)"
-            )
+            mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
         q = self.split_heads(self.w_q(query))
         k = self.split_heads(self.w_k(key))
         v = self.split_heads(self.w_v(value))
@@ -190,7 +218,7 @@ class MultiHeadAttention(nn.Module):
         return self.w_o(self.merge_heads(out))
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """A `MultiHeadAttention` holding a copy of ``module``'s parameters.
 
         The result gives the same output as ``module`` (with ``batch_first=True``, or with its
@@ -223,4 +251,136 @@ class MultiHeadAttention(nn.Module):
                 new.w_v.bias.copy_(b_v)
                 new.w_o.bias.copy_(module.out_proj.bias)
         new.train(module.training)
+        return new
+
+
+class GroupedQueryAttention(nn.Module):
+    """Grouped-query attention: groups of query heads share one key/value head.
+
+    ``num_heads`` query heads of width ``d_k = d_model / num_heads`` attend with only
+    ``num_kv_heads`` key/value heads: query head i reads key/value head ``i // (num_heads /
+    num_kv_heads)``. ``num_kv_heads == num_heads`` is ordinary multi-head attention,
+    ``num_kv_heads == 1`` is multi-query attention. Fewer key/value heads mean smaller key and value
+    projections and, above all, a smaller key/value cache when generating text.
+
+    Args:
+        d_model: width of the input and output vectors.
+        num_heads: number of query heads h; must divide ``d_model``.
+        num_kv_heads: number of key/value heads; must divide ``num_heads``.
+        bias: whether the four projections have biases.
+        dropout: dropout on the attention weights during training.
+
+    Shapes:
+        query (B, L_q, d_model), key and value (B, L_k, d_model) -> output (B, L_q, d_model).
+        ``w_k`` and ``w_v`` map d_model -> num_kv_heads * d_k. After a forward pass,
+        ``attn_weights`` holds the weights (B, h, L_q, L_k).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, bias: bool = True,
+                 dropout: float = 0.0):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if d_model % num_heads != 0:
+            raise ValueError(
+                f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
+                f" leaves a remainder of {d_model % num_heads}"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads must be divisible by num_kv_heads: num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads} leaves a remainder of {num_heads % num_kv_heads}"
+            )
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group_size = num_heads // num_kv_heads
+        self.d_k = d_model // num_heads
+        self.dropout = dropout
+        kv_width = num_kv_heads * self.d_k
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(d_model, kv_width, bias=bias)
+        self.w_v = nn.Linear(d_model, kv_width, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        self.attn_weights: torch.Tensor | None = None
+
+    def kv_cache_per_token(self) -> int:
+        """How many numbers one token adds to the key/value cache of this layer: 2 * h_kv * d_k."""
+        return 2 * self.num_kv_heads * self.d_k
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, heads, self.d_k).transpose(1, 2)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend from ``query`` to ``key``/``value``; the arguments are as in
+        `MultiHeadAttention.forward`. Returns (B, L_q, d_model)."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            require_tensor(name, t)
+            require_rank(name, t, "(B, L, d_model)", rank=3)
+            if t.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"{name} must have shape (B, L, d_model={self.d_model}), got {shape_str(t)}"
+                )
+        if key.shape[:2] != value.shape[:2] or query.shape[0] != key.shape[0]:
+            raise ValueError(
+                f"query (B, L_q, d_model), key and value (B, L_k, d_model) do not fit: query "
+                f"{shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}"
+            )
+        if mask is not None:
+            mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
+        q = self._split(self.w_q(query), self.num_heads)  # (B, h, L_q, d_k)
+        k = self._split(self.w_k(key), self.num_kv_heads)  # (B, h_kv, L_k, d_k)
+        v = self._split(self.w_v(value), self.num_kv_heads)
+        # Each key/value head serves group_size consecutive query heads.
+        k = k.repeat_interleave(self.group_size, dim=1)  # (B, h, L_k, d_k)
+        v = v.repeat_interleave(self.group_size, dim=1)
+        p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
+        self.attn_weights = weights.detach()
+        b, _, l_q, _ = out.shape
+        return self.w_o(out.transpose(1, 2).reshape(b, l_q, self.d_model))
+
+    @classmethod
+    def from_multi_head(
+        cls, mha: MultiHeadAttention, num_kv_heads: int | None = None
+    ) -> GroupedQueryAttention:
+        """A `GroupedQueryAttention` made from a `MultiHeadAttention`'s parameters.
+
+        The query and output projections are copied; the key and value projections of the heads in
+        each group are averaged into one head. With ``num_kv_heads`` equal to the number of heads
+        (the default) nothing is averaged and the result computes exactly what ``mha`` does.
+        """
+        if not isinstance(mha, MultiHeadAttention):
+            raise ValueError(f"expected a MultiHeadAttention, got {type(mha).__name__}")
+        h = mha.num_heads
+        num_kv_heads = h if num_kv_heads is None else num_kv_heads
+        bias = mha.w_q.bias is not None
+        new = cls(mha.d_model, h, num_kv_heads, bias=bias, dropout=mha.dropout)
+        new = new.to(dtype=mha.w_q.weight.dtype, device=mha.w_q.weight.device)
+        g, d_k = new.group_size, mha.d_k
+
+        def pool(t: torch.Tensor) -> torch.Tensor:
+            # rows of a projection are (head, d_k) pairs; average the heads of each group
+            return t.reshape(num_kv_heads, g, d_k, *t.shape[1:]).mean(dim=1).reshape(
+                num_kv_heads * d_k, *t.shape[1:]
+            )
+
+        with torch.no_grad():
+            new.w_q.load_state_dict(mha.w_q.state_dict())
+            new.w_o.load_state_dict(mha.w_o.state_dict())
+            new.w_k.weight.copy_(pool(mha.w_k.weight))
+            new.w_v.weight.copy_(pool(mha.w_v.weight))
+            if bias:
+                new.w_k.bias.copy_(pool(mha.w_k.bias))
+                new.w_v.bias.copy_(pool(mha.w_v.bias))
+        new.train(mha.training)
         return new

@@ -1,8 +1,19 @@
-"""Attention masks in the book's convention (chapter 4).
+"""Attention masks in the book's convention, and converters to PyTorch's (chapter 4).
 
 A mask is a bool tensor, True = "this query may attend to this key", the polarity of the bool
 ``attn_mask`` of `torch.nn.functional.scaled_dot_product_attention`. It broadcasts to
 (B, h, L_q, L_k).
+
+PyTorch uses other conventions, and this module converts to and from each of them:
+
+- ``nn.MultiheadAttention(key_padding_mask=...)``: bool (B, L_k), True = *ignore* this key
+  (`to_key_padding_mask`, `from_key_padding_mask`).
+- ``nn.MultiheadAttention(attn_mask=...)`` in bool: (L_q, L_k) or (B*h, L_q, L_k), True = *not*
+  allowed (`to_torch_attn_mask`, `from_torch_attn_mask`).
+- additive float masks, 0.0 = allowed and -inf = not allowed, added to the scores before the
+  softmax: the float ``attn_mask`` of ``nn.MultiheadAttention`` and of
+  ``F.scaled_dot_product_attention``, and ``nn.Transformer.generate_square_subsequent_mask``
+  (`to_additive_mask`, `from_additive_mask`).
 """
 
 from __future__ import annotations
@@ -11,7 +22,39 @@ import torch
 
 from ._validation import require_rank, require_tensor, shape_str
 
-__all__ = ["causal_mask", "padding_mask"]
+__all__ = [
+    "causal_mask",
+    "padding_mask",
+    "local_mask",
+    "padding_to_attention_mask",
+    "combine_masks",
+    "to_key_padding_mask",
+    "from_key_padding_mask",
+    "to_torch_attn_mask",
+    "from_torch_attn_mask",
+    "to_additive_mask",
+    "from_additive_mask",
+]
+
+
+def _require_bool(name: str, mask: torch.Tensor) -> None:
+    require_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype} "
+            f"with shape {shape_str(mask)}"
+        )
+
+
+def _require_length(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Building masks
+# --------------------------------------------------------------------------------------------
 
 
 def causal_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -23,8 +66,7 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
          [True, True,  False],
          [True, True,  True ]]
     """
-    if not isinstance(length, int) or length <= 0:
-        raise ValueError(f"length must be a positive int, got {length!r}")
+    _require_length("length", length)
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
@@ -36,22 +78,217 @@ def padding_mask(lengths: torch.Tensor | list[int], max_len: int | None = None) 
         max_len: the padded length; defaults to ``max(lengths)``.
 
     Returns:
-        (B, max_len) bool. To use it as a key mask in attention, index it as
-        ``mask[:, None, None, :]``, which broadcasts to (B, h, L_q, L_k).
+        (B, max_len) bool. To use it as a key mask in attention, turn it into (B, 1, 1, L_k) with
+        `padding_to_attention_mask`, which broadcasts to (B, h, L_q, L_k).
     """
     lengths = torch.as_tensor(lengths)
     require_rank("lengths", lengths, "(B,)", rank=1)
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must hold integers, got dtype {lengths.dtype}")
     if lengths.numel() and lengths.min() < 0:
         raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
     if max_len is None:
         max_len = int(lengths.max()) if lengths.numel() else 0
     if lengths.numel() and int(lengths.max()) > max_len:
-        raise ValueError(f"max_len={max_len} is shorter than the longest length {int(lengths.max())}")
+        raise ValueError(
+            f"max_len={max_len} is shorter than the longest length {int(lengths.max())}"
+        )
     positions = torch.arange(max_len, device=lengths.device)
     return positions[None, :] < lengths[:, None]
 
 
-def _require_bool(name: str, mask: torch.Tensor) -> None:
-    require_tensor(name, mask)
-    if mask.dtype != torch.bool:
-        raise ValueError(f"{name} must be a bool tensor, got dtype {mask.dtype} {shape_str(mask)}")
+def local_mask(
+    length: int, window: int, causal: bool = False, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The (L, L) banded bool mask of local (windowed) attention.
+
+    Query i may attend to key j when ``|i - j| <= window``; with ``causal=True``, only when
+    ``0 <= i - j <= window`` (the ``window`` previous positions and itself). Each row then allows at
+    most ``2 * window + 1`` keys (``window + 1`` when causal), whatever L is, so the number of
+    scores that matter grows as L * window instead of L**2.
+
+    Example: ``local_mask(4, 1)`` is::
+
+        [[True,  True,  False, False],
+         [True,  True,  True,  False],
+         [False, True,  True,  True ],
+         [False, False, True,  True ]]
+    """
+    _require_length("length", length)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative int, got {window!r}")
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    offset = i - j  # how far key j lies behind query i
+    if causal:
+        return (offset >= 0) & (offset <= window)
+    return offset.abs() <= window
+
+
+def padding_to_attention_mask(pad: torch.Tensor) -> torch.Tensor:
+    """Turn a (B, L_k) padding mask (True = real token) into a (B, 1, 1, L_k) attention mask.
+
+    The two new axes stand for the heads and the queries: every head and every query of sequence b
+    may attend to the real keys of sequence b only. The result broadcasts to (B, h, L_q, L_k).
+    """
+    _require_bool("pad", pad)
+    require_rank("pad", pad, "(B, L_k)", rank=2)
+    return pad[:, None, None, :]
+
+
+def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Combine masks by logical AND: a key is allowed only where every mask allows it.
+
+    ``None`` entries (no mask) are skipped; the result is None when every entry is None. The masks
+    are broadcast against each other, so ``combine_masks(causal_mask(L), padding_to_attention_mask
+    (pad))`` gives a (B, 1, L, L) mask.
+
+    Raises:
+        ValueError: when a mask is not bool or the shapes do not broadcast together.
+    """
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    for i, m in enumerate(present):
+        _require_bool(f"mask {i}", m)
+    try:
+        torch.broadcast_shapes(*(m.shape for m in present))
+    except RuntimeError:
+        shapes = ", ".join(shape_str(m) for m in present)
+        raise ValueError(f"the masks' shapes do not broadcast together: {shapes}") from None
+    out = present[0]
+    for m in present[1:]:
+        out = out & m
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Converters to and from PyTorch's conventions
+# --------------------------------------------------------------------------------------------
+
+
+def to_key_padding_mask(pad: torch.Tensor) -> torch.Tensor:
+    """Our (B, L_k) padding mask (True = real) -> ``key_padding_mask`` of ``nn.MultiheadAttention``.
+
+    PyTorch's ``key_padding_mask`` has the opposite polarity: True = ignore this key.
+    """
+    _require_bool("pad", pad)
+    require_rank("pad", pad, "(B, L_k)", rank=2)
+    return ~pad
+
+
+def from_key_padding_mask(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """``nn.MultiheadAttention``'s ``key_padding_mask`` (B, L_k) -> our padding mask (True = real).
+
+    Accepts PyTorch's bool form (True = ignore) and its float form (0 = keep, -inf = ignore).
+    """
+    require_tensor("key_padding_mask", key_padding_mask)
+    require_rank("key_padding_mask", key_padding_mask, "(B, L_k)", rank=2)
+    if key_padding_mask.dtype == torch.bool:
+        return ~key_padding_mask
+    return from_additive_mask(key_padding_mask)
+
+
+def to_torch_attn_mask(
+    mask: torch.Tensor, num_heads: int | None = None, dtype: torch.dtype = torch.bool
+) -> torch.Tensor:
+    """Our mask -> the ``attn_mask`` of ``nn.MultiheadAttention``.
+
+    PyTorch's bool ``attn_mask`` means True = NOT allowed; its float form is additive (0 / -inf).
+
+    Args:
+        mask: bool, True = may attend, of shape (L_q, L_k), or (B, L_q, L_k) / (B, 1, L_q, L_k) /
+            (B, h, L_q, L_k) for a mask that differs between sequences.
+        num_heads: needed for a mask with a batch axis: ``nn.MultiheadAttention`` wants such a
+            mask as (B * h, L_q, L_k), sequence b's heads in rows b*h .. b*h + h - 1.
+        dtype: ``torch.bool`` (default) for the bool form, a float dtype for the additive form.
+
+    Returns:
+        (L_q, L_k) for a 2-D mask, else (B * h, L_q, L_k): the inverse of ``mask`` in bool, or
+        0 / -inf in a float dtype.
+    """
+    _require_bool("mask", mask)
+    if dtype != torch.bool and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be torch.bool or a floating point dtype, got {dtype}")
+
+    def convert(m: torch.Tensor) -> torch.Tensor:
+        return ~m if dtype == torch.bool else to_additive_mask(m, dtype)
+
+    if mask.dim() == 2:
+        return convert(mask)
+    if mask.dim() not in (3, 4):
+        raise ValueError(
+            f"mask must have shape (L_q, L_k), (B, L_q, L_k) or (B, h, L_q, L_k), got "
+            f"{shape_str(mask)}"
+        )
+    if num_heads is None:
+        raise ValueError(
+            f"a mask of shape {shape_str(mask)} has a batch axis: give num_heads so that it can be "
+            "laid out as (B * h, L_q, L_k)"
+        )
+    if mask.dim() == 3:
+        mask = mask[:, None]
+    b, h, l_q, l_k = mask.shape
+    if h not in (1, num_heads):
+        raise ValueError(
+            f"mask of shape {shape_str(mask)} has {h} heads; expected 1 or num_heads={num_heads}"
+        )
+    return convert(mask.expand(b, num_heads, l_q, l_k).reshape(b * num_heads, l_q, l_k))
+
+
+def from_torch_attn_mask(attn_mask: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    """``nn.MultiheadAttention``'s ``attn_mask`` -> our bool mask (True = may attend).
+
+    Accepts the bool form (True = not allowed) and the additive float form (0 / -inf), of shape
+    (L_q, L_k) or (B * h, L_q, L_k). With ``num_heads`` given, a 3-D mask comes back as
+    (B, h, L_q, L_k); without it, it keeps its shape.
+    """
+    require_tensor("attn_mask", attn_mask)
+    if attn_mask.dim() not in (2, 3):
+        raise ValueError(
+            f"attn_mask must have shape (L_q, L_k) or (B*h, L_q, L_k), got {shape_str(attn_mask)}"
+        )
+    mask = ~attn_mask if attn_mask.dtype == torch.bool else from_additive_mask(attn_mask)
+    if mask.dim() == 3 and num_heads is not None:
+        bh, l_q, l_k = mask.shape
+        if bh % num_heads != 0:
+            raise ValueError(
+                f"attn_mask of shape {shape_str(attn_mask)}: the first dim {bh} is not a multiple"
+                f" of num_heads={num_heads}"
+            )
+        mask = mask.reshape(bh // num_heads, num_heads, l_q, l_k)
+    return mask
+
+
+def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Our bool mask -> an additive float mask: 0.0 where allowed, -inf where not.
+
+    This is the form of ``nn.Transformer.generate_square_subsequent_mask(L)`` (which equals
+    ``to_additive_mask(causal_mask(L))``) and of the float ``attn_mask`` accepted by
+    ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention``: it is added to the scores,
+    and exp(-inf) = 0 removes the key from the softmax. The shape is kept.
+    """
+    _require_bool("mask", mask)
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill(~mask, float("-inf"))
+
+
+def from_additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    """An additive float mask (0.0 = allowed, -inf = not allowed) -> our bool mask.
+
+    Raises:
+        ValueError: if the tensor holds other values: a finite non-zero entry is a bias on the
+            scores, not a mask, and has no bool equivalent.
+    """
+    require_tensor("mask", mask)
+    if not mask.dtype.is_floating_point:
+        raise ValueError(f"an additive mask must be a float tensor, got dtype {mask.dtype}")
+    blocked = torch.isneginf(mask)
+    if not torch.all((mask == 0) | blocked):
+        raise ValueError(
+            f"additive mask of shape {shape_str(mask)} holds values other than 0 and -inf; "
+            "such a bias has no bool equivalent"
+        )
+    return ~blocked

@@ -8,14 +8,24 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.axes import Axes
 
+from ._validation import shape_str
+
 __all__ = ["plot_attention", "plot_attention_heads"]
 
 
 def _as_2d(weights: torch.Tensor, name: str = "weights"):
     w = torch.as_tensor(weights).detach().cpu().float()
     if w.dim() != 2:
-        raise ValueError(f"{name} must have shape (L_q, L_k), got {tuple(w.shape)}")
+        raise ValueError(f"{name} must have shape (L_q, L_k), got {shape_str(w)}")
     return w.numpy()
+
+
+def _check_labels(queries, keys, l_q: int, l_k: int) -> None:
+    """Raise `ValueError` when tick labels do not match the number of rows / columns."""
+    if queries is not None and len(queries) != l_q:
+        raise ValueError(f"queries has {len(queries)} labels, expected L_q = {l_q}")
+    if keys is not None and len(keys) != l_k:
+        raise ValueError(f"keys has {len(keys)} labels, expected L_k = {l_k}")
 
 
 def plot_attention(
@@ -43,8 +53,12 @@ def plot_attention(
         The axes drawn on.
     """
     w = _as_2d(weights)
+    _check_labels(queries, keys, w.shape[0], w.shape[1])
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.0 + 0.45 * w.shape[1], 0.8 + 0.45 * w.shape[0]))
+        # Big enough to read at page width for short sequences, never wider than 9 inches.
+        width = min(9.0, max(4.5, 1.5 + 0.5 * w.shape[1]))
+        height = min(7.0, max(3.5, 1.0 + 0.45 * w.shape[0]))
+        _, ax = plt.subplots(figsize=(width, height), layout="constrained")
     im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
     ax.set_xlabel("key position" if keys is None else "key")
     ax.set_ylabel("query position" if queries is None else "query")
@@ -73,12 +87,21 @@ def plot_attention_heads(
 ):
     """Draw the weights of every head, (h, L_q, L_k), in a grid with one shared colorbar.
 
+    Args:
+        weights: (h, L_q, L_k) attention weights, one matrix per head.
+        queries, keys: optional tick labels (tokens) for the rows and columns.
+        title: the figure's title.
+        ncols: the most panels in one row.
+
     Returns:
         The matplotlib figure.
     """
     w = torch.as_tensor(weights).detach().cpu().float()
-    if w.dim() != 3:
-        raise ValueError(f"weights must have shape (h, L_q, L_k), got {tuple(w.shape)}")
+    if w.dim() != 3 or w.shape[0] == 0:
+        raise ValueError(f"weights must have shape (h, L_q, L_k) with h >= 1, got {shape_str(w)}")
+    if ncols < 1:
+        raise ValueError(f"ncols must be at least 1, got {ncols}")
+    _check_labels(queries, keys, w.shape[1], w.shape[2])
     h = w.shape[0]
     ncols = min(ncols, h)
     nrows = (h + ncols - 1) // ncols

@@ -1,12 +1,61 @@
-"""Positional encodings (chapter 5)."""
+"""Positional information for attention (chapter 5).
+
+Attention on its own treats its input as a set: permute the positions and the outputs are permuted
+the same way. This module holds the three ways the book gives a model a sense of order:
+
+- `sinusoidal_encoding` (and the module `SinusoidalPositionalEncoding`): the fixed encoding of
+  "Attention Is All You Need", added to the token embeddings;
+- `LearnedPositionalEmbedding`: one trained vector per position, added the same way;
+- `apply_rope` (and the module `RotaryEmbedding`): rotary position embedding, which rotates the
+  queries and keys instead of adding anything, so that their dot product depends only on the
+  offset between the two positions.
+
+It also has `TokenEmbedding` (token vectors scaled by sqrt(d_model)) and `sinusoidal_shift_matrix`,
+the fixed linear map that takes PE(t) to PE(t + k).
+
+Shapes follow the book: batch first, (B, L, d_model).
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 
-__all__ = ["sinusoidal_encoding"]
+from ._validation import require_rank, require_tensor, shape_str
+
+__all__ = [
+    "sinusoidal_encoding",
+    "sinusoidal_shift_matrix",
+    "SinusoidalPositionalEncoding",
+    "LearnedPositionalEmbedding",
+    "TokenEmbedding",
+    "rope_angles",
+    "apply_rope",
+    "RotaryEmbedding",
+]
+
+
+def _require_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _require_even(name: str, value: object) -> int:
+    _require_positive_int(name, value)
+    if value % 2 != 0:
+        raise ValueError(f"{name} must be even (sines and cosines come in pairs), got {value}")
+    return value
+
+
+def _frequencies(dim: int, base: float) -> torch.Tensor:
+    """w_k = base^(-2k / dim) for k = 0 .. dim/2 - 1, float64, shape (dim / 2,)."""
+    if not base > 0:
+        raise ValueError(f"base must be positive, got {base!r}")
+    k2 = torch.arange(0, dim, 2, dtype=torch.float64)
+    return torch.exp(-math.log(base) * k2 / dim)
 
 
 def sinusoidal_encoding(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
@@ -20,17 +69,253 @@ def sinusoidal_encoding(max_len: int, d_model: int, base: float = 10000.0) -> to
         base: the wavelength scale (10000 in the paper).
 
     Returns:
-        (max_len, d_model) float32 tensor.
+        (max_len, d_model) float32 tensor; row t is the encoding of position t.
+
+    Raises:
+        ValueError: if ``max_len`` is not positive or ``d_model`` is not positive and even.
     """
-    if max_len <= 0 or d_model <= 0 or d_model % 2 != 0:
-        raise ValueError(
-            f"max_len must be positive and d_model positive and even, got max_len={max_len}, "
-            f"d_model={d_model}"
-        )
+    _require_positive_int("max_len", max_len)
+    _require_even("d_model", d_model)
     t = torch.arange(max_len, dtype=torch.float64)[:, None]
-    k = torch.arange(0, d_model, 2, dtype=torch.float64)
-    w = torch.exp(-math.log(base) * k / d_model)
+    w = _frequencies(d_model, base)
     pe = torch.zeros(max_len, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(t * w)
     pe[:, 1::2] = torch.cos(t * w)
     return pe.float()
+
+
+def sinusoidal_shift_matrix(offset: float, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """The fixed matrix R_k with PE(t + k) = PE(t) R_k for every position t (row vectors).
+
+    R_k is block diagonal with one 2 x 2 rotation per frequency: the pair
+    (sin(t w), cos(t w)) becomes (sin((t + k) w), cos((t + k) w)) by the angle-addition formulas.
+    In code: ``pe[t + k] == pe[t] @ sinusoidal_shift_matrix(k, d_model)`` for every t.
+
+    Args:
+        offset: the shift k (any real number; negative shifts go back).
+        d_model: width of the encoding; must be even.
+        base: as in `sinusoidal_encoding`.
+
+    Returns:
+        (d_model, d_model) float64 tensor; it does not depend on t.
+    """
+    _require_even("d_model", d_model)
+    w = _frequencies(d_model, base) * float(offset)
+    c, s = torch.cos(w), torch.sin(w)
+    m = torch.zeros(d_model, d_model, dtype=torch.float64)
+    i = torch.arange(0, d_model, 2)
+    # sin(a + b) = sin a cos b + cos a sin b;  cos(a + b) = cos a cos b - sin a sin b
+    m[i, i], m[i, i + 1] = c, -s
+    m[i + 1, i], m[i + 1, i + 1] = s, c
+    return m
+
+
+def _require_sequence(name: str, x: object, d_model: int) -> torch.Tensor:
+    require_tensor(name, x)
+    require_rank(name, x, "(B, L, d_model)", rank=3)
+    if x.shape[-1] != d_model:
+        raise ValueError(f"{name} must have shape (B, L, d_model={d_model}), got {shape_str(x)}")
+    return x
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds the sinusoidal encoding to a batch of embeddings, then applies dropout.
+
+    The encoding is a buffer (saved with the model, never trained).
+
+    Args:
+        d_model: embedding width; must be even.
+        max_len: the longest sequence it accepts.
+        dropout: dropout probability applied to the sum, as in the original Transformer.
+        base: as in `sinusoidal_encoding`.
+
+    Shapes:
+        (B, L, d_model) -> (B, L, d_model), with L <= max_len.
+    """
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0,
+                 base: float = 10000.0):
+        super().__init__()
+        self.d_model = d_model
+        self.max_len = max_len
+        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model, base), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _require_sequence("x", x, self.d_model)
+        if x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x has L={x.shape[1]} positions but the encoding was built for max_len="
+                f"{self.max_len}: x is {shape_str(x)}"
+            )
+        return self.dropout(x + self.pe[: x.shape[1]].to(x.dtype))
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """One trained vector per position, added to the token embeddings (as in BERT and GPT-2).
+
+    Unlike the sinusoidal encoding it has no rule for positions it has no row for: a sequence
+    longer than ``max_len`` is an error, and rows for positions never seen in training stay at
+    their random initial values.
+
+    Args:
+        max_len: number of positions it has a vector for.
+        d_model: embedding width.
+        init_std: standard deviation of the normal initialisation of the table.
+
+    Attributes:
+        weight: the (max_len, d_model) table of position vectors.
+
+    Shapes:
+        (B, L, d_model) -> (B, L, d_model), with L <= max_len.
+    """
+
+    def __init__(self, max_len: int, d_model: int, init_std: float = 0.02):
+        super().__init__()
+        _require_positive_int("max_len", max_len)
+        _require_positive_int("d_model", d_model)
+        self.max_len = max_len
+        self.d_model = d_model
+        self.weight = nn.Parameter(torch.randn(max_len, d_model) * init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _require_sequence("x", x, self.d_model)
+        if x.shape[1] > self.max_len:
+            raise ValueError(
+                f"x has L={x.shape[1]} positions but there are only max_len={self.max_len} "
+                f"learned position vectors: x is {shape_str(x)}"
+            )
+        return x + self.weight[: x.shape[1]].to(x.dtype)
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids to vectors, multiplied by sqrt(d_model) as in "Attention Is All You Need".
+
+    The scale brings embeddings initialised with standard deviation 1 / sqrt(d_model) (as when
+    they are tied to the output layer) up to the size of the positional encoding's entries, so
+    that neither drowns the other when they are added.
+
+    Args:
+        vocab_size: number of tokens.
+        d_model: embedding width.
+        scale: multiply by sqrt(d_model) (True, the paper's choice) or not.
+
+    Shapes:
+        (B, L) integer ids -> (B, L, d_model).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, scale: bool = True):
+        super().__init__()
+        _require_positive_int("vocab_size", vocab_size)
+        _require_positive_int("d_model", d_model)
+        self.d_model = d_model
+        self.scale = math.sqrt(d_model) if scale else 1.0
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        require_tensor("ids", ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(
+                f"ids must be an integer tensor of shape (B, L), got dtype {ids.dtype}"
+            )
+        return self.embedding(ids) * self.scale
+
+
+def rope_angles(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The rotation angles of rotary position embedding: theta[..., t, k] = positions[..., t] * w_k.
+
+    Args:
+        positions: (..., L) positions (integer or real).
+        dim: the width of the vectors to rotate; must be even.
+        base: w_k = base^(-2k / dim), as in the sinusoidal encoding.
+
+    Returns:
+        (..., L, dim / 2) float64 tensor of angles.
+    """
+    _require_even("dim", dim)
+    require_tensor("positions", positions)
+    return positions.to(torch.float64)[..., None] * _frequencies(dim, base)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
+               base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (RoPE): rotate each pair of features by a position's angle.
+
+    Features (2k, 2k + 1) of the vector at position t are rotated by the angle t * w_k,
+    w_k = base^(-2k / d). Because rotations compose, the dot product of a query rotated for position
+    m and a key rotated for position n depends on m - n only (and on the unrotated vectors).
+    Applied to queries and keys, never to values.
+
+    Args:
+        x: (..., L, d) vectors, for instance queries of shape (B, h, L, d_k); d must be even.
+        positions: the position of each of the L vectors, shape (L,) or broadcastable to
+            (..., L); defaults to 0, 1, ..., L - 1.
+        base: the wavelength scale (10000 in the RoFormer paper).
+
+    Returns:
+        A tensor of the same shape and dtype as ``x``.
+
+    Raises:
+        ValueError: if x has fewer than 2 dims, an odd last dim, or positions of the wrong shape.
+    """
+    require_tensor("x", x)
+    require_rank("x", x, "(..., L, d)", min_rank=2)
+    length, d = x.shape[-2], x.shape[-1]
+    if d % 2 != 0:
+        raise ValueError(
+            f"x must have shape (..., L, d) with d even (features rotate in pairs), "
+            f"got {shape_str(x)}"
+        )
+    if positions is None:
+        positions = torch.arange(length, device=x.device)
+    require_tensor("positions", positions)
+    if positions.dim() == 0 or positions.shape[-1] != length:
+        raise ValueError(
+            f"positions must have shape (L={length},) or (..., L={length}) to match x "
+            f"{shape_str(x)}, got {shape_str(positions)}"
+        )
+    theta = rope_angles(positions, d, base)  # (..., L, d/2)
+    try:
+        torch.broadcast_shapes(theta.shape, (*x.shape[:-1], d // 2))
+    except RuntimeError:
+        raise ValueError(
+            f"positions of shape {shape_str(positions)} do not broadcast to x's (..., L) = "
+            f"{shape_str(x.shape[:-1])}"
+        ) from None
+    cos = torch.cos(theta).to(x.dtype)
+    sin = torch.sin(theta).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # the two coordinates of every pair
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out
+
+
+class RotaryEmbedding(nn.Module):
+    """`apply_rope` as a module with no parameters: ``RotaryEmbedding(d)(q)`` rotates q.
+
+    Args:
+        dim: the width d of the vectors it rotates (d_k per head); must be even.
+        base: as in `apply_rope`.
+
+    Shapes:
+        (..., L, dim) -> (..., L, dim); ``forward(x, positions=None)``.
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0):
+        super().__init__()
+        _require_even("dim", dim)
+        if not base > 0:
+            raise ValueError(f"base must be positive, got {base!r}")
+        self.dim = dim
+        self.base = base
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        require_tensor("x", x)
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (..., L, dim={self.dim}), got {shape_str(x)}")
+        return apply_rope(x, positions, self.base)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"

@@ -1,0 +1,655 @@
+"""The built book, opened in a real Chromium, offline.
+
+The book is served from ``_build/html`` on 127.0.0.1 (a free port, ``http.server`` in a thread) and
+every page of the table of contents is opened in Debian's Chromium, driven by Selenium through the
+installed ``chromedriver`` (nothing is downloaded: the driver's path is given, so Selenium Manager
+never runs). Each page is visited once; the tests below then check what was recorded:
+
+- every formula is typeset by MathJax (no raw TeX left, no MathJax error);
+- every image loaded and has alt text;
+- no request left 127.0.0.1 (Chrome's performance log: every requested URL);
+- no console error, apart from the short allow-list below, each entry saying why it is harmless;
+- the search page finds "softmax"; the next and previous links follow the table of contents.
+
+Screenshots of the intro and of a chapter are saved to ``test-artifacts/`` (git-ignored), with a
+one-line summary (pages visited, formulas typeset, images checked) that pytest also prints.
+``test_checks_catch_a_broken_page`` feeds the same checks a page that breaks every rule, to prove
+that they can fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urljoin, urlsplit
+
+import pytest
+import yaml
+from conftest import HTML, ROOT, SUMMARY_LINES
+
+pytestmark = [pytest.mark.book, pytest.mark.browser]
+
+# Debian's packages (`make browser-deps`); CHROMIUM / CHROMEDRIVER in the environment override.
+CHROMIUM = Path(os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium")
+CHROMEDRIVER = Path(
+    os.environ.get("CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
+)
+ARTIFACTS = ROOT / "test-artifacts"
+WINDOW = (1280, 1000)  # wide enough for the sidebar and the ~750 px text column side by side
+
+# Chromium's flags. The background-networking ones keep the browser itself from calling home:
+# in a closed network those connections are refused and show up as errors.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--disable-extensions",
+    "--hide-scrollbars",
+    "--force-device-scale-factor=1",
+    "--lang=en-US",
+    f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    # Any host but 127.0.0.1 fails at once instead of waiting on a DNS timeout. The request is
+    # still attempted (and recorded by the performance log), so the no-leak check still sees it.
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+
+# Console messages at level SEVERE that are harmless. Each entry: (regex on the message, why).
+CONSOLE_ALLOW: list[tuple[str, str]] = [
+    (
+        r"Uncaught SyntaxError: Identifier 'THEBE_JS_URL' has already been declared",
+        # Sphinx 7.4 writes sphinx-thebe's inline settings script twice (its de-duplication
+        # misses inline scripts), so the second copy's `const` fails. The first copy already
+        # defined the same values, and live code (thebe) is off in this book: nothing is lost.
+        "sphinx-thebe's settings script, written twice",
+    ),
+]
+
+SCHEMES_THAT_STAY = {"data", "blob", "about"}  # inline data, object URLs, the blank page
+
+# Wait for MathJax 3 to finish its first typesetting pass (and its fonts), or say why it did not.
+WAIT_MATHJAX = r"""
+const done = arguments[arguments.length - 1];
+const hasScript = [...document.scripts].some((s) => /mathjax/i.test(s.src));
+if (!hasScript) { done("no MathJax script"); return; }
+const t0 = Date.now();
+(function poll() {
+  const mj = window.MathJax;
+  if (mj && mj.startup && mj.startup.promise) {
+    mj.startup.promise
+      .then(() => document.fonts.ready)
+      .then(() => done("typeset"), (e) => done("MathJax failed: " + e));
+  } else if (Date.now() - t0 > 10000) {
+    done("MathJax never started (its script did not load or run)");
+  } else {
+    setTimeout(poll, 50);
+  }
+})();
+"""
+
+# Load every image now (lazy ones included) and wait until each has loaded or failed.
+WAIT_IMAGES = r"""
+const done = arguments[arguments.length - 1];
+const imgs = [...document.images];
+imgs.forEach((i) => { i.loading = "eager"; });
+const settled = imgs.map((i) => (i.complete ? null : new Promise((r) => {
+  i.addEventListener("load", r, { once: true });
+  i.addEventListener("error", r, { once: true });
+})));
+Promise.race([Promise.all(settled), new Promise((r) => setTimeout(r, 15000))])
+  .then(() => done(imgs.length));
+"""
+
+# What the checks need from a page, read after MathJax and the images are done.
+COLLECT = r"""
+const main = document.querySelector("main") || document.body;
+const mathNodes = [...document.querySelectorAll(".math")];
+const untypeset = mathNodes
+  .filter((m) => !m.querySelector("mjx-container"))
+  .map((m) => m.textContent.trim().slice(0, 120));
+// TeX delimiters left in the text (outside code) mean math that was never handed to MathJax.
+const walker = document.createTreeWalker(main, NodeFilter.SHOW_TEXT);
+const rawTex = [];
+for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+  const p = n.parentElement;
+  // Search results quote pages as plain text, so their TeX is meant to stay raw.
+  if (p.closest("pre, code, script, style, textarea, mjx-container, .math, #search-results")) {
+    continue;
+  }
+  if (/\\\(|\\\[|\$\$|\\begin\{/.test(n.textContent)) {
+    rawTex.push(n.textContent.trim().slice(0, 120));
+  }
+}
+const mathErrors = [...document.querySelectorAll("mjx-merror")].map((e) =>
+  (e.getAttribute("data-mjx-error") || "") + " :: " + e.textContent.slice(0, 80));
+// MathJax's noundefined extension draws an unknown macro as red text instead of an error.
+const mj = window.MathJax;
+if (mj && mj.startup && mj.startup.document && mj.startup.document.math) {
+  for (const item of mj.startup.document.math) {
+    if (!item.root || !item.root.walkTree) continue;
+    item.root.walkTree((node) => {
+      if (node.isKind("mtext") && node.attributes.get("mathcolor") === "red") {
+        mathErrors.push("undefined macro in: " + String(item.math).slice(0, 80));
+      }
+    });
+  }
+}
+const images = [...document.images].map((i) => ({
+  src: i.currentSrc || i.src,
+  alt: i.getAttribute("alt"),
+  complete: i.complete,
+  naturalWidth: i.naturalWidth,
+  // A notebook figure: its intended width (a width attribute, as high-DPI output sets) and
+  // the width it is shown at, and whether it has a caption.
+  fromCell: !!i.closest("div.cell_output"),
+  intendedWidth: parseFloat(i.getAttribute("width")) || i.naturalWidth,
+  shownWidth: i.getBoundingClientRect().width,
+  caption: !!(i.closest("figure") && i.closest("figure").querySelector("figcaption")),
+  figure: (i.closest("figure") && i.closest("figure").id) || "",
+}));
+// Text outputs of notebook cells, to find walls of numbers.
+const outputs = [...document.querySelectorAll("div.cell_output pre")].map((p) => p.textContent);
+const link = (sel) => { const a = document.querySelector(sel); return a ? a.href : null; };
+const nav = [...document.querySelectorAll("nav.bd-docs-nav a.reference.internal")]
+  .map((a) => a.href);
+return {
+  url: location.href,
+  title: document.title,
+  mathNodes: mathNodes.length,
+  containers: document.querySelectorAll("mjx-container").length,
+  untypeset, rawTex, mathErrors, images, outputs,
+  prev: link(".prev-next-area a.left-prev"),
+  next: link(".prev-next-area a.right-next"),
+  nav,
+};
+"""
+
+
+# ----------------------------------------------------------------------------- serving the book
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the signature is http.server's
+        pass
+
+
+@contextmanager
+def serve(directory: Path) -> Iterator[str]:
+    """Serve `directory` on 127.0.0.1 at a free port from a thread; yields the base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------- the browser
+def start_chromium():
+    """Debian's Chromium through the installed chromedriver; Selenium Manager never runs."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found: install them with `make browser-deps`")
+    os.environ["SE_OFFLINE"] = "true"  # belt and braces: Selenium Manager would not download
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="tt-chromium-")
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    driver.set_script_timeout(40)
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.get("about:blank")
+    driver.get_log("performance")
+    driver.get_log("browser")
+    return driver, profile
+
+
+@contextmanager
+def chromium() -> Iterator[object]:
+    driver, profile = start_chromium()
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- one page visit
+@dataclass
+class Visit:
+    """What one page load showed: the page's state and every request and console message."""
+
+    name: str
+    url: str
+    page: dict = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+    http_errors: list[str] = field(default_factory=list)
+    console: list[dict] = field(default_factory=list)
+    mathjax: str = ""
+
+
+def _drain_network(driver, visit: Visit) -> None:
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        method, params = msg.get("method", ""), msg.get("params", {})
+        if method == "Network.requestWillBeSent":
+            visit.requests.append(params["request"]["url"])
+        elif method == "Network.webSocketCreated":
+            visit.requests.append(params["url"])
+        elif method == "Network.responseReceived":
+            status = params["response"].get("status", 0)
+            if status >= 400:
+                visit.http_errors.append(f"{status} {params['response']['url']}")
+
+
+def visit_page(
+    driver,
+    url: str,
+    name: str,
+    wait_for_js: str | None = None,
+    extra_js: str | None = None,
+    screenshot: Path | None = None,
+) -> Visit:
+    """Open `url`, wait for MathJax and the images (and `wait_for_js`), record the page (and
+    what `extra_js` returns, in ``page["extra"]``), save a screenshot if asked, then leave for
+    about:blank so that every request and message of this page is in this visit's record."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    visit = Visit(name=name, url=url)
+    driver.get(url)
+    WebDriverWait(driver, 30).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
+    if wait_for_js:
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(wait_for_js))
+    visit.mathjax = driver.execute_async_script(WAIT_MATHJAX)
+    driver.execute_async_script(WAIT_IMAGES)
+    visit.page = driver.execute_script(COLLECT)
+    if extra_js:
+        visit.page["extra"] = driver.execute_script(extra_js)
+    if screenshot:
+        _screenshot(driver, screenshot)
+    time.sleep(0.2)  # let a request started by the last script reach the log
+    driver.get("about:blank")
+    _drain_network(driver, visit)
+    visit.console = driver.get_log("browser")
+    return visit
+
+
+# ----------------------------------------------------------------------------- the checks
+def _allowed(message: str) -> bool:
+    return any(re.search(pattern, message) for pattern, _why in CONSOLE_ALLOW)
+
+
+def leaving_requests(visit: Visit) -> list[str]:
+    bad = []
+    for url in visit.requests:
+        parts = urlsplit(url)
+        if parts.scheme in SCHEMES_THAT_STAY:
+            continue
+        if parts.scheme in ("http", "https", "ws", "wss") and parts.hostname == "127.0.0.1":
+            continue
+        bad.append(url if len(url) < 200 else url[:200] + "...")
+    return bad
+
+
+def console_errors(visit: Visit) -> list[str]:
+    return [
+        e["message"] for e in visit.console if e["level"] == "SEVERE" and not _allowed(e["message"])
+    ]
+
+
+def math_problems(visit: Visit) -> list[str]:
+    p = visit.page
+    problems = [f"not typeset: {t}" for t in p["untypeset"]]
+    problems += [f"raw TeX in the text: {t}" for t in p["rawTex"]]
+    problems += [f"MathJax error: {t}" for t in p["mathErrors"]]
+    if p["mathNodes"] and visit.mathjax != "typeset":
+        problems.append(f"{p['mathNodes']} formulas but MathJax says: {visit.mathjax}")
+    if p["mathNodes"] and not p["containers"]:
+        problems.append("formulas on the page but no mjx-container")
+    return problems
+
+
+def image_problems(visit: Visit) -> list[str]:
+    problems = []
+    for img in visit.page["images"]:
+        src = img["src"] if len(img["src"]) < 120 else img["src"][:120] + "..."
+        if not (img["complete"] and img["naturalWidth"] > 0):
+            problems.append(f"did not load: {src}")
+        alt = (img["alt"] or "").strip()
+        if not alt:
+            problems.append(f"no alt text: {src}")
+        elif re.match(r"^<Figure size|^\S+\.(png|svg|jpe?g|gif)$", alt, re.IGNORECASE):
+            problems.append(f"placeholder alt text {alt!r}: {src}")
+        if img.get("fromCell") and not img.get("caption"):
+            problems.append(f"figure without a caption (mystnb.figure.caption): {src}")
+    return problems
+
+
+MIN_FIGURE_SCALE = 0.8  # a figure shrunk more than this has text too small to read
+NUMBERS = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+MAX_NUMBERS, MAX_LINES = 120, 40  # in one output block: more is a wall to summarise
+
+
+def figure_problems(visit: Visit) -> list[str]:
+    """Notebook figures shown much smaller than drawn (their text becomes unreadable)."""
+    problems = []
+    for img in visit.page["images"]:
+        if not img.get("fromCell") or not img["intendedWidth"]:
+            continue
+        scale = img["shownWidth"] / img["intendedWidth"]
+        if scale < MIN_FIGURE_SCALE:
+            problems.append(
+                f"figure drawn {img['intendedWidth']:.0f} px wide is shown at "
+                f"{img['shownWidth']:.0f} px ({scale:.0%}): make it narrower (figsize width "
+                f"<= 6.7 in at 100 dpi) or give its cell the tag full-width: "
+                f"{img.get('figure') or img['src'][-24:]}"
+            )
+    return problems
+
+
+def output_problems(visit: Visit) -> list[str]:
+    """Walls of numbers: cell outputs that print a tensor instead of a summary."""
+    problems = []
+    for text in visit.page.get("outputs", []):
+        numbers, lines = len(NUMBERS.findall(text)), len(text.splitlines())
+        if numbers > MAX_NUMBERS or lines > MAX_LINES:
+            first = text.strip().splitlines()[0][:60] if text.strip() else ""
+            problems.append(f"an output of {lines} lines and {numbers} numbers: {first!r}")
+    return problems
+
+
+def all_problems(visit: Visit) -> dict[str, list[str]]:
+    return {
+        "math": math_problems(visit),
+        "images": image_problems(visit),
+        "requests": leaving_requests(visit) + [f"HTTP {e}" for e in visit.http_errors],
+        "console": console_errors(visit),
+        "figures": figure_problems(visit),
+        "outputs": output_problems(visit),
+    }
+
+
+def _report(visits: list[Visit], kind: str) -> str:
+    lines = []
+    for v in visits:
+        for problem in all_problems(v)[kind]:
+            lines.append(f"{v.name}: {problem}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- table of contents
+def toc_pages() -> list[str]:
+    """Page names (e.g. 'book/01_attention') in reading order, from _toc.yml."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    names: list[str] = []
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                names.append(re.sub(r"\.(md|ipynb|rst)$", "", entry["file"]))
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+
+    names.append(re.sub(r"\.(md|ipynb|rst)$", "", toc["root"]))
+    walk(toc.get("chapters"))
+    walk(toc.get("parts"))
+    walk(toc.get("sections"))
+    return names
+
+
+def _canonical(url: str | None) -> str | None:
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    path = parts.path
+    if path.endswith("/"):
+        path += "index.html"
+    return path
+
+
+def _screenshot(driver, path: Path) -> None:
+    """A full-page PNG at the window's width: the viewport is made as tall as the page first
+    (capturing beyond a normal viewport misplaces the theme's sticky sidebars)."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": WINDOW[0], "height": min(int(height), 30000), "deviceScaleFactor": 1,
+         "mobile": False},
+    )
+    try:
+        time.sleep(0.3)  # one layout pass at the new size
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png"})
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
+# ----------------------------------------------------------------------------- fixtures
+SCREENSHOTS: list[Path] = []  # written by this session's visits
+
+
+@pytest.fixture(scope="session")
+def book_url(built_book) -> Iterator[str]:
+    if not (HTML / "index.html").is_file():
+        pytest.fail(f"the book was not built:\n{(built_book.stdout + built_book.stderr)[-4000:]}")
+    with serve(HTML) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="session")
+def visits(book_url, browser, request) -> list[Visit]:
+    """Every page of the table of contents, visited once, in reading order."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    # A page missing from the build fails test_every_toc_page_is_built_and_in_the_navigation.
+    names = [n for n in toc_pages() if (HTML / f"{n}.html").is_file()]
+    assert names, "no page of _toc.yml was built"
+    chapters = [n for n in names if re.match(r"book/\d\d_", n)]
+    shot_chapter = "book/01_attention" if "book/01_attention" in names else (
+        chapters[0] if chapters else None)
+    result = []
+    for name in names:
+        shot = None
+        if name in (names[0], shot_chapter):
+            shot = ARTIFACTS / ("intro.png" if name == names[0] else f"{Path(name).name}.png")
+            SCREENSHOTS.append(shot)
+        result.append(visit_page(browser, urljoin(book_url, f"{name}.html"), name,
+                                 screenshot=shot))
+    formulas = sum(v.page["containers"] for v in result)
+    images = sum(len(v.page["images"]) for v in result)
+    summary = (
+        f"browser test: {len(result)} pages visited, {formulas} formulas typeset, "
+        f"{images} images checked (Chromium, offline, served on 127.0.0.1)"
+    )
+    (ARTIFACTS / "browser-summary.txt").write_text(summary + "\n", encoding="utf-8")
+    request.config.stash.setdefault(SUMMARY_LINES, []).append(summary)
+    return result
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_every_toc_page_is_built_and_in_the_navigation(visits, book_url):
+    """Every page of _toc.yml was built, and the sidebar lists exactly those pages."""
+    missing = [n for n in toc_pages() if not (HTML / f"{n}.html").is_file()]
+    assert not missing, f"pages in _toc.yml that were not built: {missing}"
+    expected = [_canonical(urljoin(book_url, f"{v.name}.html")) for v in visits]
+    nav = list(dict.fromkeys(_canonical(u) for u in visits[0].page["nav"]))
+    assert set(nav) == set(expected), f"navigation {nav} differs from _toc.yml {expected}"
+
+
+def test_index_leads_to_the_intro(book_url, browser, visits):
+    redirected = "return !document.querySelector('meta[http-equiv=\"Refresh\" i]')"
+    v = visit_page(browser, book_url, "index.html", wait_for_js=redirected)
+    assert _canonical(v.page["url"]) == _canonical(urljoin(book_url, f"{visits[0].name}.html"))
+    assert not leaving_requests(v) and not console_errors(v), all_problems(v)
+
+
+def test_formulas_are_typeset(visits):
+    assert any(v.page["containers"] for v in visits), "no formula was typeset on any page"
+    assert not (r := _report(visits, "math")), "formulas not typeset:\n" + r
+
+
+def test_images_load_and_have_alt_text(visits):
+    assert not (r := _report(visits, "images")), "image problems:\n" + r
+
+
+def test_figures_are_shown_at_a_readable_size(visits):
+    """At a 1280 px window the text column is about 670 px; a figure squeezed into it loses
+    the size of its labels and annotations."""
+    assert not (r := _report(visits, "figures")), "figures shrunk on the page:\n" + r
+
+
+def test_outputs_are_not_walls_of_numbers(visits):
+    assert not (r := _report(visits, "outputs")), "long outputs (summarise them):\n" + r
+
+
+def test_no_request_leaves_localhost(visits):
+    assert all(v.requests for v in visits), "the performance log recorded no request"
+    assert not (r := _report(visits, "requests")), "requests outside the book:\n" + r
+
+
+def test_no_console_errors(visits):
+    assert not (r := _report(visits, "console")), "console errors:\n" + r
+
+
+def test_next_and_previous_follow_the_toc(visits, book_url):
+    urls = [_canonical(urljoin(book_url, f"{v.name}.html")) for v in visits]
+    problems = []
+    for i, v in enumerate(visits):
+        want_prev = urls[i - 1] if i > 0 else None
+        want_next = urls[i + 1] if i + 1 < len(urls) else None
+        got_prev, got_next = _canonical(v.page["prev"]), _canonical(v.page["next"])
+        if got_prev != want_prev:
+            problems.append(f"{v.name}: previous is {got_prev}, expected {want_prev}")
+        if got_next != want_next:
+            problems.append(f"{v.name}: next is {got_next}, expected {want_next}")
+    assert not problems, "\n".join(problems)
+
+
+def test_search_finds_softmax(book_url, browser, visits):
+    done = (
+        "const s = document.querySelector('#search-results .search-summary');"
+        "return !!(s && s.textContent.trim());"
+    )
+    hits = (
+        "return [document.querySelector('#search-results').textContent,"
+        " [...document.querySelectorAll('#search-results ul.search li a')].map((a) => a.href)]"
+    )
+    v = visit_page(browser, urljoin(book_url, "search.html?q=softmax"), "search", done, hits)
+    summary, links = v.page["extra"]
+    pages = {_canonical(h) for h in links}
+    assert pages, "searching for softmax found nothing: " + summary
+    built = {_canonical(urljoin(book_url, f"{x.name}.html")) for x in visits}
+    assert pages <= built | {_canonical(urljoin(book_url, "genindex.html"))}, pages - built
+    chapter1 = _canonical(urljoin(book_url, "book/01_attention.html"))
+    if chapter1 in built:
+        assert chapter1 in pages, f"chapter 1 is not among the results {sorted(pages)}"
+    problems = {k: p for k, p in all_problems(v).items() if p}
+    assert not problems, f"the search page: {problems}"
+
+
+def test_screenshots_are_saved(visits):
+    """The intro and a chapter, as PNG files of real content (artifacts, never committed)."""
+    has_chapter = any(re.match(r"book/\d\d_", v.name) for v in visits)
+    assert ARTIFACTS / "intro.png" in SCREENSHOTS, SCREENSHOTS
+    assert len(SCREENSHOTS) == 1 + has_chapter, SCREENSHOTS
+    for shot in SCREENSHOTS:
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
+        assert shot.stat().st_size > 20_000, f"{shot} is (nearly) empty"
+
+
+# ----------------------------------------------------------------------------- the checks can fail
+BROKEN_PAGE = r"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>broken</title>
+<style>img { max-width: 100%%; }</style>
+<script>window.MathJax = {options: {processHtmlClass: "math"}};</script>
+<script defer src="%(mathjax)s"></script>
+</head><body class="tex2jax_ignore mathjax_ignore"><main>
+<p>An unclosed brace <span class="math">\(\frac{1}{2\)</span> is never typeset.</p>
+<p>One too many <span class="math">\(\frac{1}{2}}\)</span>.</p>
+<p>An unknown macro <span class="math">\(\nosuch{x}\)</span>.</p>
+<p>Forgotten delimiters: \(x^2\)</p>
+<img src="missing.png" alt="a figure that is not there">
+<img src="pixel.png">
+<img src="http://example.com/tracker.png" alt="an image from elsewhere">
+<div class="cell_output" style="width: 600px">
+<img src="wide.svg" alt="wide.svg">
+<pre>%(wall)s</pre>
+</div>
+<script>console.error("something broke");</script>
+</main></body></html>
+"""
+WIDE_SVG = (
+    '<svg xmlns="http://www.w3.org/2000/svg" width="1200" height="100">'
+    '<rect width="1200" height="100" fill="teal"/></svg>'
+)
+
+PIXEL_PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+
+
+def test_checks_catch_a_broken_page(browser, built_book, tmp_path):
+    """A page that breaks every rule: each check must report it (the checks can fail)."""
+    (tmp_path / "_static").symlink_to(HTML / "_static", target_is_directory=True)
+    (tmp_path / "pixel.png").write_bytes(PIXEL_PNG)
+    (tmp_path / "wide.svg").write_text(WIDE_SVG, encoding="utf-8")
+    wall = "tensor(" + repr([[round(0.01 * (i * 13 + j), 2) for j in range(10)] for i in range(20)])
+    for name, mathjax in [
+        ("local.html", "_static/mathjax/tex-chtml.js"),
+        ("cdn.html", "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"),
+    ]:
+        page = BROKEN_PAGE % {"mathjax": mathjax, "wall": wall}
+        (tmp_path / name).write_text(page, encoding="utf-8")
+    with serve(tmp_path) as url:
+        local = all_problems(visit_page(browser, urljoin(url, "local.html"), "local"))
+        cdn = all_problems(visit_page(browser, urljoin(url, "cdn.html"), "cdn"))
+    text = {k: "\n".join(v) for k, v in local.items()}
+    assert "not typeset: " in text["math"] and "{2\\)" in text["math"], local
+    assert "MathJax error: Extra close brace" in text["math"], local
+    assert "undefined macro in: \\nosuch{x}" in text["math"], local
+    assert "raw TeX in the text" in text["math"], local
+    assert "did not load: " in text["images"] and "missing.png" in text["images"], local
+    assert "no alt text: " in text["images"] and "pixel.png" in text["images"], local
+    assert "placeholder alt text 'wide.svg'" in text["images"], local
+    assert "figure without a caption" in text["images"], local
+    assert "figure drawn 1200 px wide is shown at 600 px (50%)" in text["figures"], local
+    assert "an output of 1 lines and 200 numbers" in text["outputs"], local
+    assert "example.com" in text["requests"], local
+    assert "something broke" in text["console"], local
+    cdn_text = "\n".join(cdn["math"] + cdn["requests"])
+    assert "cdn.jsdelivr.net" in cdn_text, cdn  # MathJax from a CDN is a request that leaves
+    assert "not typeset" in cdn_text, cdn

@@ -1,0 +1,176 @@
+"""Tests for utils.data: vocabularies, padding, and the three toy tasks."""
+
+import pytest
+import torch
+
+from utils.data import (
+    BOS,
+    EOS,
+    PAD,
+    SPECIALS,
+    LMBatch,
+    MLMBatch,
+    PalindromeMLMTask,
+    ReversalTask,
+    Seq2SeqBatch,
+    SortingTask,
+    Vocab,
+    pad_sequences,
+)
+from utils.masks import padding_mask
+
+
+def test_specials_have_fixed_ids():
+    assert (PAD, BOS, EOS) == (0, 1, 2)
+    v = Vocab.from_symbols("abc")
+    assert v.tokens[:3] == SPECIALS and len(v) == 6
+
+
+def test_vocab_round_trip_and_decode_stops_at_eos():
+    v = Vocab.from_symbols("abc")
+    ids = v.encode(["a", "c", "b"])
+    assert ids == [3, 5, 4]
+    assert v.decode([BOS, *ids, EOS, 3, PAD]) == "a c b"
+    assert v.decode(torch.tensor(ids), sep="") == "acb"
+    assert v.decode([BOS, 3, EOS], skip_specials=False) == "<bos> a <eos>"
+
+
+def test_vocab_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown token"):
+        Vocab.from_symbols("ab").encode(["z"])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Vocab.from_symbols("ab").decode([7])
+    with pytest.raises(ValueError, match="must start with"):
+        Vocab(("a", "b", "c"))
+    with pytest.raises(ValueError, match="distinct"):
+        Vocab.from_symbols("aa")
+
+
+def test_pad_sequences_matches_padding_mask():
+    seqs = [[5, 6, 7], [8], [9, 10]]
+    tokens, mask = pad_sequences(seqs)
+    assert tokens.shape == (3, 3) and tokens.dtype == torch.long
+    assert tokens.tolist() == [[5, 6, 7], [8, PAD, PAD], [9, 10, PAD]]
+    assert torch.equal(mask, padding_mask([3, 1, 2]))
+    tokens, mask = pad_sequences(seqs, max_len=5)
+    assert tokens.shape == (3, 5) and not mask[:, 3:].any()
+
+
+def test_pad_sequences_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one"):
+        pad_sequences([])
+    with pytest.raises(ValueError, match="non-empty"):
+        pad_sequences([[1], []])
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        pad_sequences([[1, 2, 3]], max_len=2)
+
+
+def test_reversal_examples():
+    task = ReversalTask()
+    assert len(task.vocab) == 13
+    examples = task.sample(500, seed=3)
+    assert len({src for src, _ in examples}) == 500  # distinct
+    for src, tgt in examples:
+        assert 3 <= len(src) <= 12
+        assert list(tgt) == list(src)[::-1]
+        assert all(3 <= i < 13 for i in src)
+    assert task.sample(20, seed=3) == examples[:20]  # the seed fixes the draw
+
+
+def test_reversal_batch_shapes_and_masks():
+    task = ReversalTask()
+    pairs = [((3, 4, 5), (5, 4, 3)), ((6, 7, 8, 9, 10), (10, 9, 8, 7, 6))]
+    b = task.collate(pairs)
+    assert isinstance(b, Seq2SeqBatch)
+    assert b.src.shape == (2, 5) and b.tgt_in.shape == (2, 6) and b.tgt_out.shape == (2, 6)
+    assert b.src[0].tolist() == [3, 4, 5, PAD, PAD]
+    assert b.tgt_in[0].tolist() == [BOS, 5, 4, 3, PAD, PAD]
+    assert b.tgt_out[0].tolist() == [5, 4, 3, EOS, PAD, PAD]
+    assert torch.equal(b.src_mask, padding_mask([3, 5]))
+    assert torch.equal(b.tgt_mask, padding_mask([4, 6]))
+    # The decoder input is the output shifted right by one, behind <bos>.
+    assert torch.equal(b.tgt_in[:, 1:][b.tgt_mask[:, 1:]], b.tgt_out[:, :-1][b.tgt_mask[:, 1:]])
+
+
+def test_batches_avoid_the_held_out_set():
+    task = ReversalTask(min_len=2, max_len=2, num_symbols=3)  # only 9 possible inputs
+    held_out = task.sample(4, seed=0)
+    keys = {src for src, _ in held_out}
+    stream = task.batches(32, seed=1, exclude=held_out)
+    for _ in range(5):
+        b = next(stream)
+        for row, m in zip(b.src, b.src_mask, strict=True):
+            assert tuple(row[m].tolist()) not in keys
+
+
+def test_batches_are_deterministic():
+    task = ReversalTask()
+    a = next(task.batches(8, seed=5))
+    b = next(task.batches(8, seed=5))
+    assert torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out)
+
+
+def test_task_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_len"):
+        ReversalTask(min_len=5, max_len=4)
+    with pytest.raises(ValueError, match="num_symbols"):
+        ReversalTask(num_symbols=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        next(ReversalTask().batches(0, seed=0))
+    with pytest.raises(ValueError, match="seed"):
+        ReversalTask().sample(3, seed=-1)
+    with pytest.raises(ValueError, match="too small"):
+        ReversalTask(min_len=1, max_len=1, num_symbols=2).sample(3, seed=0)
+    with pytest.raises(ValueError, match="even"):
+        PalindromeMLMTask(min_len=3)
+    with pytest.raises(ValueError, match="mask_prob"):
+        PalindromeMLMTask(mask_prob=0.0)
+    with pytest.raises(ValueError, match="num_digits"):
+        SortingTask(num_digits=11)
+
+
+def test_sorting_examples_and_batch():
+    task = SortingTask()
+    sep = task.vocab.index[">"]
+    for prompt, answer in task.sample(200, seed=0):
+        assert prompt[0] == BOS and prompt[-1] == sep and answer[-1] == EOS
+        assert list(answer[:-1]) == sorted(prompt[1:-1])
+        assert 2 <= len(answer) - 1 <= 8
+    examples = [((BOS, 5, 3, sep), (3, 5, EOS)), ((BOS, 4, 4, 3, sep), (3, 4, 4, EOS))]
+    b = task.collate(examples)
+    assert isinstance(b, LMBatch)
+    assert b.inputs.shape == b.targets.shape == b.mask.shape == (2, 8)
+    assert b.inputs[0].tolist() == [BOS, 5, 3, sep, 3, 5, EOS, PAD]
+    # Only the answer (after the separator) is scored; the rest of the targets is PAD.
+    assert b.targets[0].tolist() == [PAD, PAD, PAD, 3, 5, EOS, PAD, PAD]
+    assert b.targets[1].tolist() == [PAD, PAD, PAD, PAD, 3, 4, 4, EOS]
+    assert b.mask[0].tolist() == [True] * 7 + [False]
+    assert task.vocab.decode(b.inputs[1], sep="") == "110>011"  # id 3 is the digit "0"
+
+
+def test_palindrome_mlm_examples():
+    task = PalindromeMLMTask()
+    mask_id = task.vocab.index["<mask>"]
+    for inputs, targets in task.sample(300, seed=0):
+        n = len(inputs)
+        assert n % 2 == 0 and 4 <= n <= 12
+        full = [t if t != PAD else x for x, t in zip(inputs, targets, strict=True)]
+        assert full == full[::-1]  # a palindrome
+        hidden = [i for i in range(n) if inputs[i] == mask_id]
+        assert hidden and all(targets[i] != PAD for i in hidden)
+        assert all(targets[i] == PAD for i in range(n) if i not in hidden)
+        assert all(inputs[n - 1 - i] != mask_id for i in hidden)  # the mirror is visible
+    b = task.collate(task.sample(5, seed=1))
+    assert isinstance(b, MLMBatch)
+    assert b.inputs.shape == b.targets.shape == b.mask.shape
+    assert not (b.targets[~b.mask] != PAD).any()
+
+
+def test_palindrome_held_out_is_by_palindrome():
+    task = PalindromeMLMTask(min_len=2, max_len=2, num_symbols=3)  # 3 possible palindromes
+    held_out = task.sample(1, seed=0)
+    x, t = held_out[0]
+    word = [b if b != PAD else a for a, b in zip(x, t, strict=True)]
+    b = next(task.batches(40, seed=0, exclude=held_out))
+    full = torch.where(b.targets != PAD, b.targets, b.inputs)
+    assert not any(row.tolist() == word for row in full)

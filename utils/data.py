@@ -1,0 +1,393 @@
+"""Toy tasks made in code, and batching with padding (chapters 9 and 10).
+
+Three small tasks, each cheap to generate and each needing a particular part of the Transformer:
+
+* `ReversalTask` (encoder-decoder): read 3 to 12 symbols, write them backwards. The output at step
+  i depends on the input at position n - 1 - i, so the model must know positions and lengths.
+* `SortingTask` (decoder-only): the text ``"3 9 1 > 1 3 9"`` written token by token; a causal
+  language model learns to continue the prompt up to ``>`` with the sorted digits.
+* `PalindromeMLMTask` (encoder-only): palindromes with some tokens replaced by ``<mask>``; every
+  hidden token is visible at its mirror position, which may lie before or after it.
+
+Every task has its own `Vocab` whose first three tokens are the shared specials ``<pad>``,
+``<bos>`` and ``<eos>`` (ids 0, 1, 2). Batches are padded on the right with ``<pad>`` and carry
+padding masks in the book's bool convention: True = a real token (see `utils.masks`). A target of
+``PAD`` means "no loss here": pass ``ignore_index=PAD`` to the cross-entropy.
+
+Held-out data: ``task.sample(n, seed)`` draws ``n`` distinct examples, and ``task.batches(...,
+exclude=held_out)`` never yields an example whose input is in ``held_out``, so that a test set
+measures generalisation, not memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PAD",
+    "BOS",
+    "EOS",
+    "SPECIALS",
+    "Vocab",
+    "pad_sequences",
+    "Seq2SeqBatch",
+    "LMBatch",
+    "MLMBatch",
+    "ReversalTask",
+    "SortingTask",
+    "PalindromeMLMTask",
+]
+
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A token <-> id table whose first ids are the specials ``<pad>``, ``<bos>``, ``<eos>``.
+
+    Args:
+        tokens: every token, specials first, no repeats.
+    """
+
+    tokens: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if tuple(self.tokens[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a Vocab must start with {SPECIALS}, got {tuple(self.tokens[:3])}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError(f"tokens must be distinct, got {self.tokens}")
+
+    @classmethod
+    def from_symbols(cls, symbols: Iterable[str]) -> Vocab:
+        """The specials followed by ``symbols``."""
+        return cls(SPECIALS + tuple(symbols))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tokens)}
+
+    def encode(self, tokens: Iterable[str]) -> list[int]:
+        """Token strings -> ids; raises `ValueError` on an unknown token."""
+        index = self.index
+        out = []
+        for t in tokens:
+            if t not in index:
+                raise ValueError(f"unknown token {t!r}; the vocabulary is {self.tokens}")
+            out.append(index[t])
+        return out
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, sep: str = " ",
+               skip_specials: bool = True) -> str:
+        """Ids -> a readable string; stops at the first ``<eos>`` when ``skip_specials``."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        words = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.tokens):
+                raise ValueError(f"id {i} is outside the vocabulary of size {len(self.tokens)}")
+            if skip_specials and i == EOS:
+                break
+            if skip_specials and i in (PAD, BOS):
+                continue
+            words.append(self.tokens[i])
+        return sep.join(words)
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD,
+                  max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack sequences of different lengths into one tensor, padding on the right.
+
+    Args:
+        seqs: B sequences of token ids (lists, tuples or 1-D tensors), each non-empty.
+        pad: the id written after the end of each sequence.
+        max_len: the padded length; defaults to the longest sequence.
+
+    Returns:
+        ``(tokens, mask)``: tokens (B, max_len) int64, and mask (B, max_len) bool, True at real
+        tokens and False at padding (the convention of `utils.masks.padding_mask`).
+    """
+    if len(seqs) == 0:
+        raise ValueError("seqs must hold at least one sequence, got none")
+    lengths = [len(s) for s in seqs]
+    if min(lengths) == 0:
+        raise ValueError(f"every sequence must be non-empty, got lengths {lengths}")
+    longest = max(lengths)
+    if max_len is None:
+        max_len = longest
+    elif max_len < longest:
+        raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
+    tokens = torch.full((len(seqs), max_len), pad, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        tokens[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    mask = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
+    return tokens, mask
+
+
+@dataclass
+class Seq2SeqBatch:
+    """A padded batch for an encoder-decoder model trained with teacher forcing.
+
+    Attributes:
+        src: (B, L_s) source ids, padded with ``PAD``.
+        src_mask: (B, L_s) bool, True at real source tokens.
+        tgt_in: (B, L_t) decoder input: ``<bos>`` followed by the target, padded.
+        tgt_out: (B, L_t) what the decoder must predict at each position: the target followed
+            by ``<eos>``, padded with ``PAD`` (ignored by the loss).
+        tgt_mask: (B, L_t) bool, True at real decoder positions.
+    """
+
+    src: torch.Tensor
+    src_mask: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+    tgt_mask: torch.Tensor
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Seq2SeqBatch:
+        """Build the batch from (source, target) pairs of ids without specials."""
+        src, src_mask = pad_sequences([s for s, _ in pairs])
+        tgt_in, tgt_mask = pad_sequences([[BOS, *t] for _, t in pairs])
+        tgt_out, _ = pad_sequences([[*t, EOS] for _, t in pairs])
+        return cls(src, src_mask, tgt_in, tgt_out, tgt_mask)
+
+
+@dataclass
+class LMBatch:
+    """A padded batch for a causal language model.
+
+    Attributes:
+        inputs: (B, L) ids fed to the model (each sequence without its last token).
+        targets: (B, L) the next token at each position, ``PAD`` where no loss is wanted
+            (the prompt, and the padding).
+        mask: (B, L) bool, True at real input tokens.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class MLMBatch:
+    """A padded batch for masked-token prediction.
+
+    Attributes:
+        inputs: (B, L) ids with some tokens replaced by ``<mask>``.
+        targets: (B, L) the hidden token at masked positions, ``PAD`` everywhere else.
+        mask: (B, L) bool, True at real tokens (masked ones included), False at padding.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+class _Task:
+    """Shared sampling machinery: distinct examples, and endless batches that avoid a held-out set.
+
+    A subclass defines ``vocab`` and ``_draw(generator) -> (key, example)``, where ``key`` is the
+    hashable input that identifies the example (two examples with the same key are the same
+    problem).
+    """
+
+    vocab: Vocab
+
+    def _draw(self, g: torch.Generator) -> tuple[tuple[int, ...], object]:
+        raise NotImplementedError
+
+    def _draw_many(self, n: int, g: torch.Generator, exclude: set, distinct: bool) -> list:
+        out, seen, tries = [], set(), 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * n + 1000:
+                raise ValueError(f"could not draw {n} distinct examples; the task is too small")
+            key, example = self._draw(g)
+            if key in exclude or (distinct and key in seen):
+                continue
+            seen.add(key)
+            out.append(example)
+        return out
+
+    @staticmethod
+    def _keys(examples: Iterable) -> set:
+        return {tuple(e[0]) for e in examples}
+
+    def sample(self, n: int, seed: int, exclude: Iterable = ()) -> list:
+        """``n`` distinct examples drawn with ``seed`` (for a held-out test set).
+
+        Args:
+            n: how many.
+            seed: seed of the generator, so that the same call gives the same examples.
+            exclude: examples (as returned by `sample`) whose inputs must not appear.
+        """
+        _check_int("n", n, 1)
+        _check_int("seed", seed, 0)
+        g = torch.Generator().manual_seed(seed)
+        return self._draw_many(n, g, self._keys(exclude), distinct=True)
+
+    def batches(self, batch_size: int, seed: int, exclude: Iterable = ()) -> Iterator:
+        """An endless stream of fresh random batches, none containing an input in ``exclude``."""
+        _check_int("batch_size", batch_size, 1)
+        _check_int("seed", seed, 0)
+        g = torch.Generator().manual_seed(seed)
+        keys = self._keys(exclude)
+        while True:
+            yield self.collate(self._draw_many(batch_size, g, keys, distinct=False))
+
+    def collate(self, examples: Sequence):  # pragma: no cover - defined by each task
+        raise NotImplementedError
+
+
+def _randint(low: int, high: int, g: torch.Generator, size: int | None = None):
+    """Integers in [low, high] (both included)."""
+    if size is None:
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+    return torch.randint(low, high + 1, (size,), generator=g).tolist()
+
+
+class ReversalTask(_Task):
+    """Reverse a sequence of ``min_len`` to ``max_len`` symbols drawn from ``num_symbols``.
+
+    An example is a pair ``(source, target)`` of id lists without specials, e.g. with the default
+    symbols ``"0"`` to ``"9"``: source ``3 7 7 1`` -> target ``1 7 7 3``.
+
+    Args:
+        min_len, max_len: the range of lengths, both included.
+        num_symbols: the alphabet size (at most 26); the symbols are ``"0"``... or ``"a"``...
+    """
+
+    def __init__(self, min_len: int = 3, max_len: int = 12, num_symbols: int = 10):
+        _check_int("min_len", min_len, 1)
+        _check_int("max_len", max_len, min_len)
+        _check_int("num_symbols", num_symbols, 2)
+        if num_symbols > 26:
+            raise ValueError(f"num_symbols must be at most 26, got {num_symbols}")
+        self.min_len, self.max_len, self.num_symbols = min_len, max_len, num_symbols
+        symbols = [str(i) for i in range(10)] if num_symbols <= 10 else [
+            chr(ord("a") + i) for i in range(26)]
+        self.vocab = Vocab.from_symbols(symbols[:num_symbols])
+
+    def _draw(self, g):
+        n = _randint(self.min_len, self.max_len, g)
+        src = tuple(_randint(len(SPECIALS), len(self.vocab) - 1, g, size=n))
+        return src, (src, src[::-1])
+
+    def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Seq2SeqBatch:
+        """(source, target) pairs -> a padded `Seq2SeqBatch`."""
+        return Seq2SeqBatch.from_pairs(examples)
+
+
+class SortingTask(_Task):
+    """Sort digits, written as text for a decoder-only language model.
+
+    An example is the id list of ``<bos> 3 9 1 > 1 3 9 <eos>``: the prompt runs up to and
+    including ``>``, the answer is the rest. Only the answer is scored.
+
+    Args:
+        min_len, max_len: how many digits to sort, both included.
+        num_digits: the digits are ``"0"`` to ``str(num_digits - 1)`` (at most 10).
+    """
+
+    SEP = ">"
+
+    def __init__(self, min_len: int = 2, max_len: int = 8, num_digits: int = 10):
+        _check_int("min_len", min_len, 1)
+        _check_int("max_len", max_len, min_len)
+        _check_int("num_digits", num_digits, 2)
+        if num_digits > 10:
+            raise ValueError(f"num_digits must be at most 10, got {num_digits}")
+        self.min_len, self.max_len, self.num_digits = min_len, max_len, num_digits
+        self.vocab = Vocab.from_symbols([str(i) for i in range(num_digits)] + [self.SEP])
+        self.sep_id = self.vocab.index[self.SEP]
+
+    def _draw(self, g):
+        n = _randint(self.min_len, self.max_len, g)
+        digits = _randint(len(SPECIALS), len(SPECIALS) + self.num_digits - 1, g, size=n)
+        prompt = (BOS, *digits, self.sep_id)
+        return prompt, (prompt, tuple(sorted(digits)) + (EOS,))
+
+    @staticmethod
+    def _keys(examples):
+        return {tuple(p) for p, _ in examples}
+
+    def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> LMBatch:
+        """(prompt, answer) pairs -> an `LMBatch` whose targets score only the answers."""
+        full = [[*p, *a] for p, a in examples]
+        tokens, real = pad_sequences(full)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+        for row, (p, _) in enumerate(examples):
+            targets[row, : len(p) - 1] = PAD  # predicting the prompt is not the task
+        return LMBatch(inputs, targets, real[:, :-1])
+
+
+class PalindromeMLMTask(_Task):
+    """Masked-token prediction on palindromes, for an encoder-only model.
+
+    Each example is a palindrome of even length between ``min_len`` and ``max_len``. In each
+    mirror pair (i, n - 1 - i), with probability ``mask_prob``, one of the two tokens (chosen at
+    random) is replaced by ``<mask>``; at least one token is masked. So every hidden token can be
+    read from its mirror, which lies to its left or to its right: the model must look both ways.
+
+    An example is ``(inputs, targets)``: ids of equal length, targets ``PAD`` where nothing is
+    hidden.
+    """
+
+    MASK = "<mask>"
+
+    def __init__(self, min_len: int = 4, max_len: int = 12, num_symbols: int = 10,
+                 mask_prob: float = 0.3):
+        _check_int("min_len", min_len, 2)
+        _check_int("max_len", max_len, min_len)
+        _check_int("num_symbols", num_symbols, 2)
+        if min_len % 2 or max_len % 2:
+            raise ValueError(f"min_len and max_len must be even, got {min_len} and {max_len}")
+        if num_symbols > 10:
+            raise ValueError(f"num_symbols must be at most 10, got {num_symbols}")
+        if not 0.0 < mask_prob <= 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1], got {mask_prob}")
+        self.min_len, self.max_len = min_len, max_len
+        self.num_symbols, self.mask_prob = num_symbols, mask_prob
+        self.vocab = Vocab.from_symbols([str(i) for i in range(num_symbols)] + [self.MASK])
+        self.mask_id = self.vocab.index[self.MASK]
+
+    def _draw(self, g):
+        half_len = _randint(self.min_len // 2, self.max_len // 2, g)
+        half = _randint(len(SPECIALS), len(SPECIALS) + self.num_symbols - 1, g, size=half_len)
+        seq = half + half[::-1]
+        n = len(seq)
+        hide = (torch.rand(half_len, generator=g) < self.mask_prob).tolist()
+        if not any(hide):
+            hide[_randint(0, half_len - 1, g)] = True
+        side = _randint(0, 1, g, size=half_len)
+        inputs, targets = list(seq), [PAD] * n
+        for i in range(half_len):
+            if hide[i]:
+                j = i if side[i] == 0 else n - 1 - i
+                inputs[j], targets[j] = self.mask_id, seq[j]
+        return tuple(seq), (tuple(inputs), tuple(targets))
+
+    @staticmethod
+    def _keys(examples):
+        # The problem is the palindrome itself, whichever of its tokens are hidden.
+        return {tuple(y if y != PAD else x for x, y in zip(xs, ys, strict=True))
+                for xs, ys in examples}
+
+    def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> MLMBatch:
+        """(inputs, targets) pairs -> a padded `MLMBatch`."""
+        inputs, mask = pad_sequences([x for x, _ in examples])
+        targets, _ = pad_sequences([y for _, y in examples], max_len=inputs.shape[1])
+        return MLMBatch(inputs, targets, mask)
