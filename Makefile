@@ -10,6 +10,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8000
+# Two notebooks run at once on two cores, so each kernel gets one thread: two kernels of two
+# threads each would oversubscribe the cores, and PyTorch's thread pool slows down many times over.
+NBVAL_ENV := OMP_NUM_THREADS=1
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	-n 2 --dist loadscope
 
@@ -39,13 +42,13 @@ unit: venv
 	$(PY) -m pytest -q -m "not book" tests
 
 notebooks: venv
-	$(PY) -m pytest -q $(NBVAL_FLAGS) book
+	$(NBVAL_ENV) $(PY) -m pytest -q $(NBVAL_FLAGS) book
 
 book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
 test: venv browser-deps
-	$(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
+	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
 	$(PY) -m pytest -q -m book tests
 
 lab: venv

@@ -6,10 +6,13 @@ installed ``chromedriver`` (nothing is downloaded: the driver's path is given, s
 never runs). Each page is visited once; the tests below then check what was recorded:
 
 - every formula is typeset by MathJax (no raw TeX left, no MathJax error);
-- every image loaded and has alt text;
+- every image loaded and has alt text; every notebook figure has a caption;
+- notebook figures are not shrunk below 80 % of their size (their labels stay readable), and no
+  cell output is a wall of numbers;
 - no request left 127.0.0.1 (Chrome's performance log: every requested URL);
 - no console error, apart from the short allow-list below, each entry saying why it is harmless;
-- the search page finds "softmax"; the next and previous links follow the table of contents.
+- the search page finds "softmax"; the next and previous links follow the table of contents;
+  the sidebar lists exactly the pages of _toc.yml; index.html leads to the intro.
 
 Screenshots of the intro and of a chapter are saved to ``test-artifacts/`` (git-ignored), with a
 one-line summary (pages visited, formulas typeset, images checked) that pytest also prints.

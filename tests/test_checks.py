@@ -310,6 +310,7 @@ BAD = {
     "a string": lambda *a, **k: "attention",
     "NotImplementedError": _raises(NotImplementedError),
     "an exception": _raises(ZeroDivisionError("division by zero")),
+    "sys.exit": _raises(SystemExit(1)),
     "NaN": lambda *a, **k: (torch.full((2, 5, 4), float("nan")),) * 2,
     "a wrong shape": lambda *a, **k: (torch.zeros(3), torch.zeros(3)),
     "a 1-tuple": lambda *a, **k: (torch.zeros(3),),

@@ -10,7 +10,7 @@ from utils.data import (
     SPECIALS,
     LMBatch,
     MLMBatch,
-    PalindromeMLMTask,
+    MotifMLMTask,
     ReversalTask,
     Seq2SeqBatch,
     SortingTask,
@@ -121,10 +121,10 @@ def test_task_arguments_are_checked():
         ReversalTask().sample(3, seed=-1)
     with pytest.raises(ValueError, match="too small"):
         ReversalTask(min_len=1, max_len=1, num_symbols=2).sample(3, seed=0)
-    with pytest.raises(ValueError, match="even"):
-        PalindromeMLMTask(min_len=3)
+    with pytest.raises(ValueError, match="min_len"):
+        MotifMLMTask(period=3, min_len=5)
     with pytest.raises(ValueError, match="mask_prob"):
-        PalindromeMLMTask(mask_prob=0.0)
+        MotifMLMTask(mask_prob=0.0)
     with pytest.raises(ValueError, match="num_digits"):
         SortingTask(num_digits=11)
 
@@ -148,26 +148,27 @@ def test_sorting_examples_and_batch():
     assert task.vocab.decode(b.inputs[1], sep="") == "110>011"  # id 3 is the digit "0"
 
 
-def test_palindrome_mlm_examples():
-    task = PalindromeMLMTask()
+def test_motif_mlm_examples():
+    task = MotifMLMTask(period=3, min_len=6, max_len=12)
     mask_id = task.vocab.index["<mask>"]
     for inputs, targets in task.sample(300, seed=0):
         n = len(inputs)
-        assert n % 2 == 0 and 4 <= n <= 12
+        assert 6 <= n <= 12 and len(targets) == n
         full = [t if t != PAD else x for x, t in zip(inputs, targets, strict=True)]
-        assert full == full[::-1]  # a palindrome
+        assert all(full[i] == full[i % 3] for i in range(n))  # the motif repeats
         hidden = [i for i in range(n) if inputs[i] == mask_id]
         assert hidden and all(targets[i] != PAD for i in hidden)
         assert all(targets[i] == PAD for i in range(n) if i not in hidden)
-        assert all(inputs[n - 1 - i] != mask_id for i in hidden)  # the mirror is visible
+        for phase in range(3):  # every motif position has a visible copy
+            assert any(inputs[i] != mask_id for i in range(phase, n, 3))
     b = task.collate(task.sample(5, seed=1))
     assert isinstance(b, MLMBatch)
     assert b.inputs.shape == b.targets.shape == b.mask.shape
     assert not (b.targets[~b.mask] != PAD).any()
 
 
-def test_palindrome_held_out_is_by_palindrome():
-    task = PalindromeMLMTask(min_len=2, max_len=2, num_symbols=3)  # 3 possible palindromes
+def test_motif_held_out_is_by_unmasked_sequence():
+    task = MotifMLMTask(period=1, min_len=2, max_len=2, num_symbols=3)  # 3 possible sequences
     held_out = task.sample(1, seed=0)
     x, t = held_out[0]
     word = [b if b != PAD else a for a, b in zip(x, t, strict=True)]

@@ -129,7 +129,7 @@ class _StudentError(Exception):
 def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
-    except Exception as exc:  # the student's mistake: report it, never raise it
+    except (Exception, SystemExit) as exc:  # the student's mistake: report it, never raise it
         raise _StudentError(_exception_hint(exc, what)) from None
 
 

@@ -154,6 +154,7 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The memory (B, L_s, d_model); ``src_mask`` (B, L_s) is True at real tokens."""
+        _check_tokens("src", src, self.src_embed.vocab_size, self.src_embed.max_len)
         _check_pad_mask("src_mask", src_mask, src)
         pad = None if src_mask is None else src_mask[:, None, :]
         return self.transformer.encode(self.src_embed(src), pad)
@@ -165,6 +166,7 @@ class Seq2SeqTransformer(nn.Module):
         The decoder's self-attention is causal (and, with ``tgt_mask`` (B, L_t), ignores target
         padding); its cross-attention ignores source padding when ``src_mask`` is given.
         """
+        _check_tokens("tgt", tgt, self.tgt_embed.vocab_size, self.tgt_embed.max_len)
         _check_pad_mask("tgt_mask", tgt_mask, tgt)
         self_mask = causal_mask(tgt.shape[1], device=tgt.device)[None]  # (1, L_t, L_t)
         if tgt_mask is not None:
@@ -208,6 +210,7 @@ class DecoderOnlyLM(nn.Module):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V). ``mask`` (B, L), True at real tokens, is optional: with right
         padding the causal mask already keeps every real token from seeing the padding."""
+        _check_tokens("tokens", tokens, self.embed.vocab_size, self.embed.max_len)
         _check_pad_mask("mask", mask, tokens)
         attn = causal_mask(tokens.shape[1], device=tokens.device)[None]  # (1, L, L)
         if mask is not None:
@@ -239,6 +242,7 @@ class EncoderOnlyMLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V); ``mask`` (B, L) is True at real tokens."""
+        _check_tokens("tokens", tokens, self.embed.vocab_size, self.embed.max_len)
         _check_pad_mask("mask", mask, tokens)
         attn = None if mask is None else mask[:, None, :]
         return self.head(self.blocks(self.embed(tokens), attn))

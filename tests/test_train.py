@@ -1,0 +1,143 @@
+"""Tests for utils.train, and short training runs that must learn each toy task.
+
+The training runs are scaled-down versions of the chapters' (shorter sequences, fewer steps) so
+that each takes a few seconds; each must reach a stated held-out accuracy.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from utils import seed_everything
+from utils.data import PAD, MotifMLMTask, ReversalTask, SortingTask
+from utils.decoding import generate, greedy_decode
+from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer
+from utils.train import (
+    exact_match,
+    token_accuracy,
+    token_cross_entropy,
+    train,
+    warmup_linear_decay,
+)
+
+
+def test_warmup_linear_decay():
+    f = [warmup_linear_decay(s, 4, 12) for s in range(12)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and f[8] == 0.5 and f[11] == pytest.approx(1 / 8)
+    assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False))
+    with pytest.raises(ValueError, match="warmup"):
+        warmup_linear_decay(0, 5, 4)
+
+
+def test_token_cross_entropy_ignores_padding():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    targets = torch.tensor([[1, 2, PAD], [4, PAD, PAD]])
+    keep = targets != PAD
+    expected = nn.functional.cross_entropy(logits[keep], targets[keep])
+    assert torch.allclose(token_cross_entropy(logits, targets), expected)
+    with pytest.raises(ValueError, match=r"\(B, L\)"):
+        token_cross_entropy(logits, targets[:, :2])
+    with pytest.raises(ValueError, match=r"\(B, L, V\)"):
+        token_cross_entropy(logits[0], targets[0])
+
+
+def test_token_accuracy_and_exact_match():
+    logits = torch.zeros(1, 4, 5)
+    logits[0, torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0
+    assert token_accuracy(logits, torch.tensor([[1, 2, 0, 3]])) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="no position is scored"):
+        token_accuracy(logits, torch.zeros(1, 4, dtype=torch.long))
+    assert exact_match([[1, 2], [3], [4, 4]], [[1, 2], [3, 3], [4, 4]]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="predictions"):
+        exact_match([[1]], [[1], [2]])
+
+
+def _regression_run(seed):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    w = torch.tensor([[1.0, -2.0, 0.5]])
+    gen = torch.Generator().manual_seed(1)
+
+    def batches():
+        while True:
+            x = torch.randn(16, 3, generator=gen)
+            yield x, x @ w.T
+
+    lines = []
+    hist = train(model, batches(), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), steps=200,
+                 lr=0.05, report_every=50, seed=seed, print_fn=lines.append)
+    return hist, lines
+
+
+def test_train_reports_at_fixed_steps_and_is_deterministic():
+    hist, lines = _regression_run(seed=0)
+    assert hist.steps == [50, 100, 150, 200]
+    assert len(hist.step_losses) == 200 and len(lines) == 4
+    assert lines[0].startswith("step    50   loss ")
+    assert hist.losses[-1] < 0.01 * hist.losses[0]
+    assert math.isclose(hist.losses[0], sum(hist.step_losses[:50]) / 50)
+    again, _ = _regression_run(seed=0)
+    assert again.step_losses == hist.step_losses
+
+
+def test_train_rejects_bad_arguments():
+    model = nn.Linear(2, 1)
+
+    def loss(m, b):
+        return m(b).sum()
+
+    with pytest.raises(ValueError, match="steps"):
+        train(model, iter([]), loss, steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        train(model, iter([]), loss, steps=1, lr=0.0)
+    with pytest.raises(ValueError, match="ran out"):
+        train(model, iter([torch.ones(1, 2)]), loss, steps=3, print_fn=None)
+    with pytest.raises(ValueError, match="scalar"):
+        train(model, iter([torch.ones(4, 2)]), lambda m, b: m(b), steps=1, print_fn=None)
+
+
+# --- Short runs on the toy tasks: each must reach its stated held-out accuracy. ---
+
+def test_reversal_learns():
+    seed_everything(0)
+    task = ReversalTask(min_len=3, max_len=6)
+    test = task.sample(200, seed=1)
+    model = Seq2SeqTransformer(len(task.vocab), len(task.vocab), d_model=32, nhead=4,
+                               norm_first=True, share_embeddings=True)
+    train(model, task.batches(64, seed=0, exclude=test),
+          lambda m, b: token_cross_entropy(m(b.src, b.tgt_in, b.src_mask, b.tgt_mask),
+                                           b.tgt_out),
+          steps=250, lr=5e-3, print_fn=None)
+    batch = task.collate(test)
+    pred = greedy_decode(model, batch.src, batch.src_mask, max_len=7)
+    assert exact_match(pred, [list(t) for _, t in test]) >= 0.9
+
+
+def test_sorting_learns():
+    seed_everything(0)
+    task = SortingTask(min_len=2, max_len=5)
+    test = task.sample(200, seed=1)
+    model = DecoderOnlyLM(len(task.vocab), d_model=32, nhead=4, num_layers=2)
+    train(model, task.batches(64, seed=0, exclude=test),
+          lambda m, b: token_cross_entropy(m(b.inputs), b.targets),
+          steps=250, lr=5e-3, print_fn=None)
+    pred = generate(model, [p for p, _ in test], max_new_tokens=6)
+    assert exact_match(pred, [list(a[:-1]) for _, a in test]) >= 0.9
+
+
+def test_motif_mlm_learns():
+    seed_everything(0)
+    task = MotifMLMTask(period=3, min_len=6, max_len=12)
+    test = task.sample(200, seed=1)
+    model = EncoderOnlyMLM(len(task.vocab), d_model=32, nhead=4, num_layers=2)
+    train(model, task.batches(64, seed=0, exclude=test),
+          lambda m, b: token_cross_entropy(m(b.inputs, b.mask), b.targets),
+          steps=250, lr=5e-3, print_fn=None)
+    batch = task.collate(test)
+    with torch.no_grad():
+        acc = token_accuracy(model(batch.inputs, batch.mask), batch.targets)
+    assert acc >= 0.9
