@@ -9,8 +9,8 @@ from utils.data import (
     PAD,
     SPECIALS,
     LMBatch,
+    MissingDigitTask,
     MLMBatch,
-    MotifMLMTask,
     ReversalTask,
     Seq2SeqBatch,
     SortingTask,
@@ -121,10 +121,10 @@ def test_task_arguments_are_checked():
         ReversalTask().sample(3, seed=-1)
     with pytest.raises(ValueError, match="too small"):
         ReversalTask(min_len=1, max_len=1, num_symbols=2).sample(3, seed=0)
+    with pytest.raises(ValueError, match="max_len"):
+        MissingDigitTask(min_len=4, max_len=11)
     with pytest.raises(ValueError, match="min_len"):
-        MotifMLMTask(period=3, min_len=5)
-    with pytest.raises(ValueError, match="mask_prob"):
-        MotifMLMTask(mask_prob=0.0)
+        MissingDigitTask(min_len=1)
     with pytest.raises(ValueError, match="num_digits"):
         SortingTask(num_digits=11)
 
@@ -148,27 +148,28 @@ def test_sorting_examples_and_batch():
     assert task.vocab.decode(b.inputs[1], sep="") == "110>011"  # id 3 is the digit "0"
 
 
-def test_motif_mlm_examples():
-    task = MotifMLMTask(period=3, min_len=6, max_len=12)
+def test_missing_digit_examples():
+    task = MissingDigitTask(min_len=4, max_len=10)
     mask_id = task.vocab.index["<mask>"]
     for inputs, targets in task.sample(300, seed=0):
         n = len(inputs)
-        assert 6 <= n <= 12 and len(targets) == n
-        full = [t if t != PAD else x for x, t in zip(inputs, targets, strict=True)]
-        assert all(full[i] == full[i % 3] for i in range(n))  # the motif repeats
+        assert 4 <= n <= 10 and len(targets) == n
         hidden = [i for i in range(n) if inputs[i] == mask_id]
-        assert hidden and all(targets[i] != PAD for i in hidden)
-        assert all(targets[i] == PAD for i in range(n) if i not in hidden)
-        for phase in range(3):  # every motif position has a visible copy
-            assert any(inputs[i] != mask_id for i in range(phase, n, 3))
-    b = task.collate(task.sample(5, seed=1))
+        assert len(hidden) == 1
+        full = [t if t != PAD else x for x, t in zip(inputs, targets, strict=True)]
+        assert sorted(full) == list(range(3, 3 + n))  # the digits 0..n-1, each once
+        assert all(targets[i] == PAD for i in range(n) if i != hidden[0])
+        visible = {x for x in inputs if x != mask_id}
+        assert set(range(3, 3 + n)) - visible == {targets[hidden[0]]}  # the missing one
+    b = task.collate(task.sample(5, seed=1), pad_to=16)
     assert isinstance(b, MLMBatch)
-    assert b.inputs.shape == b.targets.shape == b.mask.shape
+    assert b.inputs.shape == b.targets.shape == b.mask.shape and b.inputs.shape[1] == 16
     assert not (b.targets[~b.mask] != PAD).any()
+    assert (b.inputs == mask_id).sum() == 5
 
 
-def test_motif_held_out_is_by_unmasked_sequence():
-    task = MotifMLMTask(period=1, min_len=2, max_len=2, num_symbols=3)  # 3 possible sequences
+def test_missing_digit_held_out_is_by_unmasked_sequence():
+    task = MissingDigitTask(min_len=2, max_len=2)  # only 2 possible sequences: 0 1 and 1 0
     held_out = task.sample(1, seed=0)
     x, t = held_out[0]
     word = [b if b != PAD else a for a, b in zip(x, t, strict=True)]

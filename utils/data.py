@@ -6,8 +6,8 @@ Three small tasks, each cheap to generate and each needing a particular part of 
   i depends on the input at position n - 1 - i, so the model must know positions and lengths.
 * `SortingTask` (decoder-only): the text ``"3 9 1 > 1 3 9"`` written token by token; a causal
   language model learns to continue the prompt up to ``>`` with the sorted digits.
-* `MotifMLMTask` (encoder-only): a short motif repeated, with some tokens replaced by
-  ``<mask>``; every hidden token has a visible copy one motif-length away, before or after it.
+* `MissingDigitTask` (encoder-only): the digits 0 to n - 1 shuffled, one replaced by ``<mask>``;
+  the hidden digit is the one no other token shows, so the model must read both sides of the mask.
 
 Every task has its own `Vocab` whose first three tokens are the shared specials ``<pad>``,
 ``<bos>`` and ``<eos>`` (ids 0, 1, 2). Batches are padded on the right with ``<pad>`` and carry
@@ -38,7 +38,7 @@ __all__ = [
     "MLMBatch",
     "ReversalTask",
     "SortingTask",
-    "MotifMLMTask",
+    "MissingDigitTask",
 ]
 
 PAD, BOS, EOS = 0, 1, 2
@@ -115,9 +115,8 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
         seqs: B sequences of token ids (lists, tuples or 1-D tensors), each non-empty.
         pad: the id written after the end of each sequence.
         max_len: the padded length; defaults to the longest sequence.
-        pad_to: pad to at least this many positions (when ``max_len`` is not given). Padding
-            to 16 makes small models train several times faster on the CPU: PyTorch's softmax
-            runs 16 floats at a time and takes a much slower path for rows shorter than that.
+        pad_to: pad to at least this many positions (when ``max_len`` is not given), e.g. to
+            give every batch of a task the same width.
 
     Returns:
         ``(tokens, mask)``: tokens (B, max_len) int64, and mask (B, max_len) bool, True at real
@@ -309,23 +308,34 @@ class SortingTask(_Task):
     Args:
         min_len, max_len: how many digits to sort, both included.
         num_digits: the digits are ``"0"`` to ``str(num_digits - 1)`` (at most 10).
+        distinct: draw the digits of a problem without repetition (then ``max_len`` can be at
+            most ``num_digits``); with repetition, the model must also count repeated digits.
     """
 
     SEP = ">"
 
-    def __init__(self, min_len: int = 2, max_len: int = 8, num_digits: int = 10):
+    def __init__(self, min_len: int = 2, max_len: int = 8, num_digits: int = 10,
+                 distinct: bool = False):
         _check_int("min_len", min_len, 1)
         _check_int("max_len", max_len, min_len)
         _check_int("num_digits", num_digits, 2)
         if num_digits > 10:
             raise ValueError(f"num_digits must be at most 10, got {num_digits}")
+        if distinct and max_len > num_digits:
+            raise ValueError(f"with distinct digits, max_len must be at most num_digits="
+                             f"{num_digits}, got {max_len}")
         self.min_len, self.max_len, self.num_digits = min_len, max_len, num_digits
+        self.distinct = distinct
         self.vocab = Vocab.from_symbols([str(i) for i in range(num_digits)] + [self.SEP])
         self.sep_id = self.vocab.index[self.SEP]
 
     def _draw(self, g):
         n = _randint(self.min_len, self.max_len, g)
-        digits = _randint(len(SPECIALS), len(SPECIALS) + self.num_digits - 1, g, size=n)
+        if self.distinct:
+            chosen = torch.randperm(self.num_digits, generator=g)[:n]
+            digits = [len(SPECIALS) + int(d) for d in chosen]
+        else:
+            digits = _randint(len(SPECIALS), len(SPECIALS) + self.num_digits - 1, g, size=n)
         prompt = (BOS, *digits, self.sep_id)
         return prompt, (prompt, tuple(sorted(digits)) + (EOS,))
 
@@ -344,56 +354,42 @@ class SortingTask(_Task):
         return LMBatch(inputs, targets, real[:, :-1])
 
 
-class MotifMLMTask(_Task):
-    """Masked-token prediction on repeated motifs, for an encoder-only model.
+class MissingDigitTask(_Task):
+    """Masked-token prediction for an encoder-only model: which digit is missing?
 
-    Each example repeats a random motif of ``period`` symbols until it is ``min_len`` to
-    ``max_len`` tokens long (e.g. ``4 7 1 4 7 1 4``), then hides each token with probability
-    ``mask_prob`` behind ``<mask>``, keeping at least one visible copy of every motif position
-    and hiding at least one token. A hidden token can be read from a copy ``period`` positions
-    away, to its left or to its right: near the start of a sequence only the right helps, near the
-    end only the left, so the model must look both ways.
+    Each example is a shuffled arrangement of the digits ``0`` to ``n - 1``, each exactly once,
+    for n from ``min_len`` to ``max_len``, with one of them replaced by ``<mask>``, e.g.
+    ``3 0 <mask> 1 4`` (the hidden digit is ``2``). The answer is the one digit of ``0..n-1`` that
+    no visible token shows, so the model must take in the whole sequence, on both sides of the
+    mask, and must not mistake padding for tokens: it needs bidirectional attention and the
+    padding mask.
 
-    An example is ``(inputs, targets)``: ids of equal length, targets ``PAD`` where nothing is
-    hidden. Held-out examples are held out by their unmasked sequence.
+    An example is ``(inputs, targets)``: ids of equal length, targets ``PAD`` everywhere but at the
+    hidden position. Held-out examples are held out by their unmasked sequence.
     """
 
     MASK = "<mask>"
 
-    def __init__(self, period: int = 3, min_len: int = 6, max_len: int = 12,
-                 num_symbols: int = 10, mask_prob: float = 0.3):
-        _check_int("period", period, 1)
-        _check_int("min_len", min_len, 2 * period)
+    def __init__(self, min_len: int = 4, max_len: int = 10):
+        _check_int("min_len", min_len, 2)
         _check_int("max_len", max_len, min_len)
-        _check_int("num_symbols", num_symbols, 2)
-        if num_symbols > 10:
-            raise ValueError(f"num_symbols must be at most 10, got {num_symbols}")
-        if not 0.0 < mask_prob < 1.0:
-            raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
-        self.period, self.min_len, self.max_len = period, min_len, max_len
-        self.num_symbols, self.mask_prob = num_symbols, mask_prob
-        self.vocab = Vocab.from_symbols([str(i) for i in range(num_symbols)] + [self.MASK])
+        if max_len > 10:
+            raise ValueError(f"max_len must be at most 10 (the digits 0-9), got {max_len}")
+        self.min_len, self.max_len = min_len, max_len
+        self.vocab = Vocab.from_symbols([str(i) for i in range(10)] + [self.MASK])
         self.mask_id = self.vocab.index[self.MASK]
 
     def _draw(self, g):
         n = _randint(self.min_len, self.max_len, g)
-        motif = _randint(len(SPECIALS), len(SPECIALS) + self.num_symbols - 1, g,
-                         size=self.period)
-        seq = [motif[i % self.period] for i in range(n)]
-        hide = (torch.rand(n, generator=g) < self.mask_prob).tolist()
-        for phase in range(self.period):
-            slots = list(range(phase, n, self.period))
-            if all(hide[i] for i in slots):  # keep one copy of this motif position visible
-                hide[slots[_randint(0, len(slots) - 1, g)]] = False
-        if not any(hide):
-            hide[_randint(0, n - 1, g)] = True
-        inputs = [self.mask_id if h else t for t, h in zip(seq, hide, strict=True)]
-        targets = [t if h else PAD for t, h in zip(seq, hide, strict=True)]
+        seq = [len(SPECIALS) + int(d) for d in torch.randperm(n, generator=g)]
+        hidden = _randint(0, n - 1, g)
+        inputs, targets = list(seq), [PAD] * n
+        inputs[hidden], targets[hidden] = self.mask_id, seq[hidden]
         return tuple(seq), (tuple(inputs), tuple(targets))
 
     @staticmethod
     def _keys(examples):
-        # The problem is the unmasked sequence, whichever of its tokens are hidden.
+        # The problem is the unmasked sequence, whichever of its tokens is hidden.
         return {tuple(y if y != PAD else x for x, y in zip(xs, ys, strict=True))
                 for xs, ys in examples}
 
