@@ -24,7 +24,9 @@ def built_book():
     """Build the book once per test session, as `make book` does; returns the build's result."""
     jb = Path(sys.executable).parent / "jupyter-book"
     proc = subprocess.run(
-        [str(jb), "build", ".", "-W", "-n", "--keep-going"],
+        # --all: an incremental build leaves unchanged pages with a stale sidebar and stale
+        # next/previous links after _toc.yml changes (the browser test then fails).
+        [str(jb), "build", ".", "-W", "-n", "--keep-going", "--all"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
     return proc

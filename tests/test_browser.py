@@ -6,7 +6,8 @@ installed ``chromedriver`` (nothing is downloaded: the driver's path is given, s
 never runs). Each page is visited once; the tests below then check what was recorded:
 
 - every formula is typeset by MathJax (no raw TeX left, no MathJax error);
-- every image loaded and has alt text; every notebook figure has a caption;
+- every image loaded and has alt text; every notebook figure has a caption; no text is lost as
+  an unknown HTML tag (``<eos>`` written in Markdown);
 - notebook figures are not shrunk below 80 % of their size (their labels stay readable), and no
   cell output is a wall of numbers;
 - no request left 127.0.0.1 (Chrome's performance log: every requested URL);
@@ -167,6 +168,10 @@ const images = [...document.images].map((i) => ({
   caption: !!(i.closest("figure") && i.closest("figure").querySelector("figcaption")),
   figure: (i.closest("figure") && i.closest("figure").id) || "",
 }));
+// Text such as <eos> written in Markdown becomes an unknown HTML tag and vanishes from the page.
+const unknownTags = [...main.querySelectorAll("*")]
+  .filter((e) => e instanceof HTMLUnknownElement)
+  .map((e) => `<${e.localName}> in: ${(e.parentElement.textContent || "").trim().slice(0, 100)}`);
 // Text outputs of notebook cells, to find walls of numbers.
 const outputs = [...document.querySelectorAll("div.cell_output pre")].map((p) => p.textContent);
 const link = (sel) => { const a = document.querySelector(sel); return a ? a.href : null; };
@@ -177,7 +182,7 @@ return {
   title: document.title,
   mathNodes: mathNodes.length,
   containers: document.querySelectorAll("mjx-container").length,
-  untypeset, rawTex, mathErrors, images, outputs,
+  untypeset, rawTex, mathErrors, images, outputs, unknownTags,
   prev: link(".prev-next-area a.left-prev"),
   next: link(".prev-next-area a.right-next"),
   nav,
@@ -398,6 +403,7 @@ def all_problems(visit: Visit) -> dict[str, list[str]]:
         "console": console_errors(visit),
         "figures": figure_problems(visit),
         "outputs": output_problems(visit),
+        "markup": [f"text lost as an HTML tag {t}" for t in visit.page.get("unknownTags", [])],
     }
 
 
@@ -505,12 +511,15 @@ def visits(book_url, browser, request) -> list[Visit]:
 
 # ----------------------------------------------------------------------------- the tests
 def test_every_toc_page_is_built_and_in_the_navigation(visits, book_url):
-    """Every page of _toc.yml was built, and the sidebar lists exactly those pages."""
+    """Every page of _toc.yml was built, and every page's sidebar lists exactly those pages."""
     missing = [n for n in toc_pages() if not (HTML / f"{n}.html").is_file()]
     assert not missing, f"pages in _toc.yml that were not built: {missing}"
-    expected = [_canonical(urljoin(book_url, f"{v.name}.html")) for v in visits]
-    nav = list(dict.fromkeys(_canonical(u) for u in visits[0].page["nav"]))
-    assert set(nav) == set(expected), f"navigation {nav} differs from _toc.yml {expected}"
+    expected = {_canonical(urljoin(book_url, f"{v.name}.html")) for v in visits}
+    for v in visits:
+        nav = {_canonical(u) for u in v.page["nav"]}
+        assert nav == expected, (
+            f"{v.name}: the sidebar lacks {sorted(expected - nav)} and has {sorted(nav - expected)}"
+        )
 
 
 def test_index_leads_to_the_intro(book_url, browser, visits):
@@ -537,6 +546,11 @@ def test_figures_are_shown_at_a_readable_size(visits):
 
 def test_outputs_are_not_walls_of_numbers(visits):
     assert not (r := _report(visits, "outputs")), "long outputs (summarise them):\n" + r
+
+
+def test_no_text_is_lost_as_an_html_tag(visits):
+    """`<eos>` in Markdown (a caption, a sentence) is raw HTML to MyST: write `` `<eos>` ``."""
+    assert not (r := _report(visits, "markup")), "unknown HTML tags hide text:\n" + r
 
 
 def test_no_request_leaves_localhost(visits):
@@ -605,6 +619,7 @@ BROKEN_PAGE = r"""<!DOCTYPE html>
 <p>One too many <span class="math">\(\frac{1}{2}}\)</span>.</p>
 <p>An unknown macro <span class="math">\(\nosuch{x}\)</span>.</p>
 <p>Forgotten delimiters: \(x^2\)</p>
+<p>The last row predicts <eos>.</p>
 <img src="missing.png" alt="a figure that is not there">
 <img src="pixel.png">
 <img src="http://example.com/tracker.png" alt="an image from elsewhere">
@@ -651,6 +666,7 @@ def test_checks_catch_a_broken_page(browser, built_book, tmp_path):
     assert "figure without a caption" in text["images"], local
     assert "figure drawn 1200 px wide is shown at 600 px (50%)" in text["figures"], local
     assert "an output of 1 lines and 200 numbers" in text["outputs"], local
+    assert "text lost as an HTML tag <eos> in: The last row predicts" in text["markup"], local
     assert "example.com" in text["requests"], local
     assert "something broke" in text["console"], local
     cdn_text = "\n".join(cdn["math"] + cdn["requests"])

@@ -1,0 +1,18 @@
+"""The library, the tests, the scripts and the notebooks' code pass ruff (settings in pyproject)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+
+def test_ruff_clean():
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run(
+        [str(ruff), "check", "--no-cache", "utils", "tests", "scripts", "book"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
