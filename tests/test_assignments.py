@@ -179,8 +179,9 @@ def _build_tiny_book(folder: Path, hide: bool) -> str:
     (folder / "book").mkdir(parents=True)
     (folder / "book" / "intro.md").write_text(TINY_PAGE)
     (folder / "book" / "references.bib").write_text((ROOT / "book" / "references.bib").read_text())
-    if (ROOT / "book" / "_static").is_dir():  # the configuration's static files and icon
-        shutil.copytree(ROOT / "book" / "_static", folder / "book" / "_static")
+    for extra in ("_static", "_extra"):  # the configuration's static files and icons
+        if (ROOT / "book" / extra).is_dir():
+            shutil.copytree(ROOT / "book" / extra, folder / "book" / extra)
     (folder / "_toc.yml").write_text("format: jb-book\nroot: book/intro\n")
     config = (ROOT / "_config.yml").read_text()
     (folder / "_config.yml").write_text(make_assignments.course_config(config) if hide else config)
