@@ -137,6 +137,8 @@ def test_bad_input_raises():
         greedy_decode(CopyOracle(), src, src != PAD, max_len=0)
     with pytest.raises(ValueError, match="src_mask"):
         greedy_decode(CopyOracle(), src, torch.ones(1, 3, dtype=torch.bool), max_len=3)
+    with pytest.raises(ValueError, match="src_mask must be a torch.Tensor"):
+        greedy_decode(CopyOracle(), src, None, max_len=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(CountingLM(), [[BOS]], max_new_tokens=0)
     with pytest.raises(ValueError, match="non-empty"):

@@ -138,6 +138,10 @@ def test_d_model_not_divisible_by_heads():
         MultiHeadAttention(10, 4)
     with pytest.raises(ValueError, match=r"num_heads=6.*num_kv_heads=4"):
         GroupedQueryAttention(24, 6, 4)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
+        MultiHeadAttention(8, 2, dropout=1.0)
+    with pytest.raises(ValueError, match="dropout"):
+        GroupedQueryAttention(8, 2, 1, dropout=-0.1)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +172,13 @@ def test_wrong_input_shapes_raise():
         m(torch.randn(2, 5, 6), torch.randn(2, 5, 8), torch.randn(2, 5, 8))
     with pytest.raises(ValueError, match="key and value"):
         m(torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="batch size B"):
+        m(torch.randn(2, 5, 8), torch.randn(3, 5, 8), torch.randn(3, 5, 8))
+    gqa = GroupedQueryAttention(8, 2, 1)
+    with pytest.raises(ValueError, match=r"d_model=8.*\(2, 5, 6\)"):
+        gqa(torch.randn(2, 5, 8), torch.randn(2, 5, 6), torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match=r"key and value.*\(2, 5, 8\).*\(2, 4, 8\)"):
+        gqa(torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 4, 8))
 
 
 # ---------------------------------------------------------------------------- fully masked rows

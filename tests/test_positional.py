@@ -177,6 +177,8 @@ def test_rope_bad_inputs():
         apply_rope(torch.randn(4, 6), torch.arange(5))
     with pytest.raises(ValueError, match=r"broadcast"):
         apply_rope(torch.randn(2, 4, 6), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"\(3, 4\) do not broadcast to x's \(\.\.\., L\) = \(4\)"):
+        apply_rope(torch.randn(4, 6), torch.zeros(3, 4))  # more batch dims than x has
     with pytest.raises(ValueError, match=r"dim=8"):
         RotaryEmbedding(8)(torch.randn(3, 6))
     with pytest.raises(ValueError):

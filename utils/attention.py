@@ -97,6 +97,27 @@ def scaled_dot_product_attention(
     return weights @ v, weights
 
 
+def _check_qkv(query: object, key: object, value: object, d_model: int) -> None:
+    """Validate the (B, L_q, d_model) query and (B, L_k, d_model) key and value of a module."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        require_tensor(name, t)
+        require_rank(name, t, "(B, L, d_model)", rank=3)
+        if t.shape[-1] != d_model:
+            raise ValueError(
+                f"{name} must have shape (B, L, d_model={d_model}), got {shape_str(t)}"
+            )
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must have the same (B, L_k): key {shape_str(key)}, "
+            f"value {shape_str(value)}"
+        )
+    if query.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"query and key must have the same batch size B: query {shape_str(query)}, "
+            f"key {shape_str(key)}"
+        )
+
+
 def _check_mask(mask: torch.Tensor, b: int, h: int, l_q: int, l_k: int) -> torch.Tensor:
     """Validate a multi-head mask and return it ready to broadcast to (B, h, L_q, L_k)."""
     require_tensor("mask", mask)
@@ -151,6 +172,8 @@ class MultiHeadAttention(nn.Module):
                 f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
                 f" leaves a remainder of {d_model % num_heads}"
             )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads
@@ -190,23 +213,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
             (B, L_q, d_model).
         """
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            require_tensor(name, t)
-            require_rank(name, t, "(B, L, d_model)", rank=3)
-            if t.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"{name} must have shape (B, L, d_model={self.d_model}), got {shape_str(t)}"
-                )
-        if key.shape[:2] != value.shape[:2]:
-            raise ValueError(
-                f"key and value must have the same (B, L_k): key {shape_str(key)}, "
-                f"value {shape_str(value)}"
-            )
-        if query.shape[0] != key.shape[0]:
-            raise ValueError(
-                f"query and key must have the same batch size B: query {shape_str(query)}, "
-                f"key {shape_str(key)}"
-            )
+        _check_qkv(query, key, value, self.d_model)
         if mask is not None:
             mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
         q = self.split_heads(self.w_q(query))
@@ -293,6 +300,8 @@ class GroupedQueryAttention(nn.Module):
                 f"num_heads must be divisible by num_kv_heads: num_heads={num_heads}, "
                 f"num_kv_heads={num_kv_heads} leaves a remainder of {num_heads % num_kv_heads}"
             )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -323,18 +332,7 @@ class GroupedQueryAttention(nn.Module):
     ) -> torch.Tensor:
         """Attend from ``query`` to ``key``/``value``; the arguments are as in
         `MultiHeadAttention.forward`. Returns (B, L_q, d_model)."""
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            require_tensor(name, t)
-            require_rank(name, t, "(B, L, d_model)", rank=3)
-            if t.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"{name} must have shape (B, L, d_model={self.d_model}), got {shape_str(t)}"
-                )
-        if key.shape[:2] != value.shape[:2] or query.shape[0] != key.shape[0]:
-            raise ValueError(
-                f"query (B, L_q, d_model), key and value (B, L_k, d_model) do not fit: query "
-                f"{shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}"
-            )
+        _check_qkv(query, key, value, self.d_model)
         if mask is not None:
             mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
         q = self._split(self.w_q(query), self.num_heads)  # (B, h, L_q, d_k)

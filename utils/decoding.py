@@ -19,6 +19,7 @@ Models are used through these calls:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -73,6 +74,7 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
     """
     require_tensor("src", src)
     require_rank("src", src, "(B, L_s)", rank=2)
+    require_tensor("src_mask", src_mask)
     if src_mask.shape != src.shape or src_mask.dtype != torch.bool:
         raise ValueError(f"src_mask must be a bool tensor of shape {shape_str(src)}, got "
                          f"{src_mask.dtype} {shape_str(src_mask)}")
@@ -125,12 +127,16 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    # The batch is built where the model lives (the CPU for a model without parameters).
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     tokens, real = pad_sequences(prompts)
+    tokens, real = tokens.to(device), real.to(device)
     lengths = real.sum(dim=1)
     b = tokens.shape[0]
-    tokens = torch.cat([tokens, torch.full((b, max_new_tokens), PAD, dtype=torch.long)], dim=1)
-    rows = torch.arange(b)
-    done = torch.zeros(b, dtype=torch.bool)
+    tokens = torch.cat([tokens, torch.full((b, max_new_tokens), PAD, dtype=torch.long,
+                                           device=device)], dim=1)
+    rows = torch.arange(b, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):

@@ -13,14 +13,13 @@ Every model's ``forward`` returns logits (B, L, V).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ._validation import require_rank, require_tensor, shape_str
 from .masks import causal_mask
-from .positional import sinusoidal_encoding
+from .positional import SinusoidalPositionalEncoding
+from .positional import TokenEmbedding as ScaledTokenEmbedding
 from .transformer import Encoder, Transformer
 
 __all__ = ["TokenEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
@@ -51,9 +50,11 @@ def _check_pad_mask(name: str, mask: torch.Tensor | None, tokens: torch.Tensor) 
 class TokenEmbedding(nn.Module):
     """Token ids -> vectors: a learned embedding scaled by sqrt(d_model), plus positions.
 
-    x_t = sqrt(d_model) * E[token_t] + PE[t], with PE the sinusoidal encoding of chapter 5. The
-    table E starts from N(0, 1 / d_model), so that sqrt(d_model) * E[token] has entries of unit
-    size, like PE's; its transpose can double as the output projection ("tied" weights).
+    x_t = sqrt(d_model) * E[token_t] + PE[t]: chapter 5's pieces put together, the scaled
+    `utils.positional.TokenEmbedding` followed by `utils.positional.SinusoidalPositionalEncoding`
+    (no dropout). The table E starts from N(0, 1 / d_model), so that sqrt(d_model) * E[token] has
+    entries of unit size, like PE's; its transpose can double as the output projection ("tied"
+    weights).
 
     Args:
         vocab_size: V, the number of token ids.
@@ -73,21 +74,18 @@ class TokenEmbedding(nn.Module):
                              f"{vocab_size}, {d_model}, {max_len}")
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.positional = positional
-        self.embed = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
-        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)
+        self.tokens = ScaledTokenEmbedding(vocab_size, d_model)
+        self.positions = SinusoidalPositionalEncoding(d_model, max_len) if positional else None
 
     @property
     def weight(self) -> nn.Parameter:
         """The (V, d_model) embedding table E."""
-        return self.embed.weight
+        return self.tokens.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens("tokens", tokens, self.vocab_size, self.max_len)
-        x = self.embed(tokens) * math.sqrt(self.d_model)
-        if self.positional:
-            x = x + self.pe[: tokens.shape[1]]
-        return x
+        x = self.tokens(tokens)
+        return x if self.positions is None else self.positions(x)
 
 
 class _OutputHead(nn.Module):

@@ -276,13 +276,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
             f"{shape_str(x)}, got {shape_str(positions)}"
         )
     theta = rope_angles(positions, d, base)  # (..., L, d/2)
+    target = (*x.shape[:-1], d // 2)
     try:
-        torch.broadcast_shapes(theta.shape, (*x.shape[:-1], d // 2))
+        fits = tuple(torch.broadcast_shapes(theta.shape, target)) == target
     except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(
             f"positions of shape {shape_str(positions)} do not broadcast to x's (..., L) = "
             f"{shape_str(x.shape[:-1])}"
-        ) from None
+        )
     cos = torch.cos(theta).to(x.dtype)
     sin = torch.sin(theta).to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]  # the two coordinates of every pair

@@ -194,7 +194,60 @@ def _finish_copy(new: nn.Module, module: nn.Module) -> nn.Module:
 # Layers
 # --------------------------------------------------------------------------------------------
 
-class EncoderLayer(nn.Module):
+class _Layer(nn.Module):
+    """What `EncoderLayer` and `DecoderLayer` share: their construction and ``from_torch``.
+
+    A decoder layer (``cross_attention = True``) has a third sublayer, ``cross_attn``, with its
+    own ``norm3`` and ``dropout3``. The submodules are made in a fixed order (self_attn,
+    cross_attn, ff, the norms, the dropouts), which fixes the initial weights a seed gives.
+    """
+
+    cross_attention: bool
+
+    def __init__(self, d_model: int, nhead: int | None = None, dim_feedforward: int | None = None,
+                 dropout: float = 0.1, activation: str = "relu", *, layer_norm_eps: float = 1e-5,
+                 norm_first: bool = False, num_heads: int | None = None, d_ff: int | None = None):
+        super().__init__()
+        heads, width = _resolve_hparams(nhead, num_heads, dim_feedforward, d_ff, activation)
+        _check_dropout(dropout)
+        self.d_model = d_model
+        self.nhead = heads
+        self.dim_feedforward = width
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
+        self.ff = PositionwiseFeedForward(d_model, width, dropout=dropout, activation=activation)
+        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps)
+        if self.cross_attention:
+            self.norm3 = LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        if self.cross_attention:
+            self.dropout3 = nn.Dropout(dropout)
+
+    @classmethod
+    def _from_torch(cls, module: nn.Module, torch_cls: type[nn.Module]) -> _Layer:
+        if not isinstance(module, torch_cls):
+            raise ValueError(f"expected nn.{torch_cls.__name__}, got {type(module).__name__}")
+        new = cls(module.self_attn.embed_dim, module.self_attn.num_heads,
+                  module.linear1.out_features, module.dropout.p, _torch_activation(module),
+                  layer_norm_eps=module.norm1.eps, norm_first=module.norm_first)
+        new = _like(new, module)
+        new.self_attn = MultiHeadAttention.from_torch(module.self_attn)
+        if cls.cross_attention:
+            new.cross_attn = MultiHeadAttention.from_torch(module.multihead_attn)
+        _copy_linear(new.ff.linear1, module.linear1)
+        _copy_linear(new.ff.linear2, module.linear2)
+        new.norm1 = LayerNorm.from_torch(module.norm1)
+        new.norm2 = LayerNorm.from_torch(module.norm2)
+        if cls.cross_attention:
+            new.norm3 = LayerNorm.from_torch(module.norm3)
+        return _finish_copy(new, module)
+
+
+class EncoderLayer(_Layer):
     """One encoder layer: self-attention, then a feed-forward network, each with a residual.
 
     Post-LN (``norm_first=False``, the original paper)::
@@ -221,22 +274,7 @@ class EncoderLayer(nn.Module):
         x (B, L, d_model) -> (B, L, d_model). ``mask``: see the module docstring.
     """
 
-    def __init__(self, d_model: int, nhead: int | None = None, dim_feedforward: int | None = None,
-                 dropout: float = 0.1, activation: str = "relu", *, layer_norm_eps: float = 1e-5,
-                 norm_first: bool = False, num_heads: int | None = None, d_ff: int | None = None):
-        super().__init__()
-        heads, width = _resolve_hparams(nhead, num_heads, dim_feedforward, d_ff, activation)
-        _check_dropout(dropout)
-        self.d_model = d_model
-        self.nhead = heads
-        self.dim_feedforward = width
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.ff = PositionwiseFeedForward(d_model, width, dropout=dropout, activation=activation)
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+    cross_attention = False
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout1(self.self_attn(x, x, x, mask))
@@ -273,21 +311,10 @@ class EncoderLayer(nn.Module):
             ValueError: for a module that is not an ``nn.TransformerEncoderLayer``, or one with
                 options this class does not have (``bias=False``, another activation).
         """
-        if not isinstance(module, nn.TransformerEncoderLayer):
-            raise ValueError(f"expected nn.TransformerEncoderLayer, got {type(module).__name__}")
-        new = cls(module.self_attn.embed_dim, module.self_attn.num_heads,
-                  module.linear1.out_features, module.dropout.p, _torch_activation(module),
-                  layer_norm_eps=module.norm1.eps, norm_first=module.norm_first)
-        new = _like(new, module)
-        new.self_attn = MultiHeadAttention.from_torch(module.self_attn)
-        _copy_linear(new.ff.linear1, module.linear1)
-        _copy_linear(new.ff.linear2, module.linear2)
-        new.norm1 = LayerNorm.from_torch(module.norm1)
-        new.norm2 = LayerNorm.from_torch(module.norm2)
-        return _finish_copy(new, module)
+        return cls._from_torch(module, nn.TransformerEncoderLayer)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """One decoder layer: masked self-attention, cross-attention over the encoder's output
     (``memory``), then a feed-forward network, each with a residual.
 
@@ -306,25 +333,7 @@ class DecoderLayer(nn.Module):
         x (B, L_t, d_model), memory (B, L_s, d_model) -> (B, L_t, d_model).
     """
 
-    def __init__(self, d_model: int, nhead: int | None = None, dim_feedforward: int | None = None,
-                 dropout: float = 0.1, activation: str = "relu", *, layer_norm_eps: float = 1e-5,
-                 norm_first: bool = False, num_heads: int | None = None, d_ff: int | None = None):
-        super().__init__()
-        heads, width = _resolve_hparams(nhead, num_heads, dim_feedforward, d_ff, activation)
-        _check_dropout(dropout)
-        self.d_model = d_model
-        self.nhead = heads
-        self.dim_feedforward = width
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.cross_attn = MultiHeadAttention(d_model, heads, dropout=dropout)
-        self.ff = PositionwiseFeedForward(d_model, width, dropout=dropout, activation=activation)
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps)
-        self.norm3 = LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
+    cross_attention = True
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout1(self.self_attn(x, x, x, mask))
@@ -375,20 +384,7 @@ class DecoderLayer(nn.Module):
 
         torch's ``multihead_attn`` becomes ``cross_attn``.
         """
-        if not isinstance(module, nn.TransformerDecoderLayer):
-            raise ValueError(f"expected nn.TransformerDecoderLayer, got {type(module).__name__}")
-        new = cls(module.self_attn.embed_dim, module.self_attn.num_heads,
-                  module.linear1.out_features, module.dropout.p, _torch_activation(module),
-                  layer_norm_eps=module.norm1.eps, norm_first=module.norm_first)
-        new = _like(new, module)
-        new.self_attn = MultiHeadAttention.from_torch(module.self_attn)
-        new.cross_attn = MultiHeadAttention.from_torch(module.multihead_attn)
-        _copy_linear(new.ff.linear1, module.linear1)
-        _copy_linear(new.ff.linear2, module.linear2)
-        new.norm1 = LayerNorm.from_torch(module.norm1)
-        new.norm2 = LayerNorm.from_torch(module.norm2)
-        new.norm3 = LayerNorm.from_torch(module.norm3)
-        return _finish_copy(new, module)
+        return cls._from_torch(module, nn.TransformerDecoderLayer)
 
 
 # --------------------------------------------------------------------------------------------
