@@ -9,7 +9,7 @@ from torch import nn
 from utils import seed_everything
 from utils.data import BOS, PAD
 from utils.masks import causal_mask
-from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer, TokenEmbedding
+from utils.models import DecoderOnlyLM, EncoderOnlyMLM, InputEmbedding, Seq2SeqTransformer
 from utils.positional import sinusoidal_encoding
 from utils.transformer import Transformer
 
@@ -28,11 +28,11 @@ def _src_tgt():
 
 
 def test_token_embedding_is_scaled_embedding_plus_positions():
-    emb = TokenEmbedding(V, 8, max_len=10)
+    emb = InputEmbedding(V, 8, max_len=10)
     tokens = torch.tensor([[3, 4, 5], [6, 7, 0]])
     expected = emb.weight[tokens] * math.sqrt(8) + sinusoidal_encoding(10, 8)[:3]
     assert torch.allclose(emb(tokens), expected)
-    plain = TokenEmbedding(V, 8, positional=False)
+    plain = InputEmbedding(V, 8, positional=False)
     assert torch.allclose(plain(tokens), plain.weight[tokens] * math.sqrt(8))
     # Scaled entries have about unit size, like the positional encoding's.
     assert 0.7 < (emb.weight * math.sqrt(8)).std().item() < 1.3
@@ -155,4 +155,4 @@ def test_model_arguments_are_checked():
     with pytest.raises(ValueError, match="divisible"):
         EncoderOnlyMLM(V, d_model=16, nhead=3)
     with pytest.raises(ValueError, match="positive"):
-        TokenEmbedding(0, 8)
+        InputEmbedding(0, 8)

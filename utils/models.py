@@ -7,7 +7,7 @@
 * `EncoderOnlyMLM`: a BERT-style masked-token model: the same stack with no causal mask.
 
 None of them redefines attention, normalization or the feed-forward network: they only add what
-turns token ids into vectors (`TokenEmbedding`) and vectors back into scores over the vocabulary.
+turns token ids into vectors (`InputEmbedding`) and vectors back into scores over the vocabulary.
 Every model's ``forward`` returns logits (B, L, V).
 """
 
@@ -18,11 +18,10 @@ from torch import nn
 
 from ._validation import require_rank, require_tensor, shape_str
 from .masks import causal_mask
-from .positional import SinusoidalPositionalEncoding
-from .positional import TokenEmbedding as ScaledTokenEmbedding
+from .positional import SinusoidalPositionalEncoding, TokenEmbedding
 from .transformer import Encoder, Transformer
 
-__all__ = ["TokenEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
+__all__ = ["InputEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
 
 
 def _check_tokens(name: str, tokens: object, vocab_size: int, max_len: int) -> torch.Tensor:
@@ -47,7 +46,7 @@ def _check_pad_mask(name: str, mask: torch.Tensor | None, tokens: torch.Tensor) 
                          f", True at real tokens; got {mask.dtype} {shape_str(mask)}")
 
 
-class TokenEmbedding(nn.Module):
+class InputEmbedding(nn.Module):
     """Token ids -> vectors: a learned embedding scaled by sqrt(d_model), plus positions.
 
     x_t = sqrt(d_model) * E[token_t] + PE[t]: chapter 5's pieces put together, the scaled
@@ -74,7 +73,7 @@ class TokenEmbedding(nn.Module):
                              f"{vocab_size}, {d_model}, {max_len}")
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.positional = positional
-        self.tokens = ScaledTokenEmbedding(vocab_size, d_model)
+        self.tokens = TokenEmbedding(vocab_size, d_model)
         self.positions = SinusoidalPositionalEncoding(d_model, max_len) if positional else None
 
     @property
@@ -91,7 +90,7 @@ class TokenEmbedding(nn.Module):
 class _OutputHead(nn.Module):
     """Vectors (B, L, d_model) -> logits (B, L, V): x E^T with a tied table, else a Linear."""
 
-    def __init__(self, embedding: TokenEmbedding, tied: bool):
+    def __init__(self, embedding: InputEmbedding, tied: bool):
         super().__init__()
         self.tied = tied
         if tied:
@@ -145,9 +144,9 @@ class Seq2SeqTransformer(nn.Module):
         self.d_model = d_model
         self.transformer = Transformer(num_encoder_layers=num_encoder_layers,
                                        num_decoder_layers=num_decoder_layers, **kw)
-        self.tgt_embed = TokenEmbedding(tgt_vocab_size, d_model, max_len, positional)
+        self.tgt_embed = InputEmbedding(tgt_vocab_size, d_model, max_len, positional)
         self.src_embed = (self.tgt_embed if share_embeddings
-                          else TokenEmbedding(src_vocab_size, d_model, max_len, positional))
+                          else InputEmbedding(src_vocab_size, d_model, max_len, positional))
         self.head = _OutputHead(self.tgt_embed, tie_output)
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,7 +200,7 @@ class DecoderOnlyLM(nn.Module):
         super().__init__()
         kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
         self.d_model = d_model
-        self.embed = TokenEmbedding(vocab_size, d_model, max_len)
+        self.embed = InputEmbedding(vocab_size, d_model, max_len)
         self.blocks = Encoder(num_layers, final_norm=True, **kw)
         self.head = _OutputHead(self.embed, tie_output)
 
@@ -234,7 +233,7 @@ class EncoderOnlyMLM(nn.Module):
         super().__init__()
         kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
         self.d_model = d_model
-        self.embed = TokenEmbedding(vocab_size, d_model, max_len)
+        self.embed = InputEmbedding(vocab_size, d_model, max_len)
         self.blocks = Encoder(num_layers, final_norm=norm_first, **kw)
         self.head = _OutputHead(self.embed, tie_output)
 
