@@ -146,6 +146,17 @@ def _check_mask(mask: torch.Tensor, b: int, h: int, l_q: int, l_k: int) -> torch
     return full
 
 
+def _check_heads(d_model: int, num_heads: int, dropout: float) -> None:
+    """Raise `ValueError` unless num_heads divides d_model and 0 <= dropout < 1."""
+    if d_model % num_heads != 0:
+        raise ValueError(
+            f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
+            f" leaves a remainder of {d_model % num_heads}"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch first, as in "Attention Is All You Need".
 
@@ -167,13 +178,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if d_model <= 0 or num_heads <= 0:
             raise ValueError(f"d_model and num_heads must be positive, got {d_model}, {num_heads}")
-        if d_model % num_heads != 0:
-            raise ValueError(
-                f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
-                f" leaves a remainder of {d_model % num_heads}"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        _check_heads(d_model, num_heads, dropout)
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads
@@ -290,18 +295,12 @@ class GroupedQueryAttention(nn.Module):
                             ("num_kv_heads", num_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if d_model % num_heads != 0:
-            raise ValueError(
-                f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
-                f" leaves a remainder of {d_model % num_heads}"
-            )
+        _check_heads(d_model, num_heads, dropout)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads must be divisible by num_kv_heads: num_heads={num_heads}, "
                 f"num_kv_heads={num_kv_heads} leaves a remainder of {num_heads % num_kv_heads}"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
