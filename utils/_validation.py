@@ -1,8 +1,30 @@
-"""Small helpers that turn bad input into a `ValueError` naming expected and actual shapes."""
+"""Small helpers that turn bad input into an error naming what was expected and what was given.
+
+Every public function and class of `utils` checks its arguments with these before doing any work,
+so that a mistake surfaces as one clear sentence instead of a wrong answer or a message from deep
+inside torch. Two kinds of error are raised:
+
+* `InputTypeError` for an argument of the wrong kind (a list where a tensor belongs, a float or a
+  bool where a count belongs, a float tensor where a bool mask belongs). It subclasses both
+  `TypeError` and `ValueError`, so ``except ValueError`` written against earlier versions of the
+  library still catches it.
+* `ValueError` for an argument of the right kind with a wrong value (a shape, a negative count,
+  a probability outside [0, 1)).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
+from collections.abc import Iterator
+
 import torch
+from torch import nn
+
+
+class InputTypeError(TypeError, ValueError):
+    """An argument of the wrong type or dtype. Both a `TypeError` and a `ValueError`."""
 
 
 def shape_str(t: torch.Tensor | torch.Size | tuple[int, ...]) -> str:
@@ -11,10 +33,17 @@ def shape_str(t: torch.Tensor | torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
 
 
+def type_name(value: object) -> str:
+    """A short description of ``value`` for an error message: its type, and a tensor's dtype."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {shape_str(value)}"
+    return type(value).__name__
+
+
 def require_tensor(name: str, t: object) -> torch.Tensor:
-    """Raise `ValueError` unless ``t`` is a tensor."""
+    """Raise `InputTypeError` unless ``t`` is a tensor."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
 
 
@@ -49,3 +78,161 @@ def require_broadcastable(name: str, shape: torch.Size, target: tuple[int, ...],
             f"{name} of shape {shape_str(shape)} does not broadcast to {target_desc} = "
             f"{shape_str(target)}"
         )
+
+
+def require_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """Return ``value`` as an `int` if it is an integer (not a bool) of at least ``minimum``.
+
+    A float such as ``2.5`` or ``2.0``, a bool, a string or a tensor raises `InputTypeError`;
+    an integer below ``minimum`` raises `ValueError`. NumPy integers are accepted.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise InputTypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value}")
+    return value
+
+
+def require_real(name: str, value: object, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """Return ``value`` as a `float` if it is a finite real number in the given interval.
+
+    Args:
+        name: how the argument is called in the error message.
+        value: the number (a bool or a non-number raises `InputTypeError`).
+        low, high: the bounds (None: unbounded on that side).
+        low_open, high_open: whether the bound itself is excluded.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(f"{name} must be a real number, got {value!r} "
+                             f"({type(value).__name__})")
+    value = float(value)
+    left = "(" if low_open else "["
+    right = ")" if high_open else "]"
+    interval = (f"{left}{'-inf' if low is None else low}, "
+                f"{'inf' if high is None else high}{right}")
+    bad = not math.isfinite(value)
+    if low is not None:
+        bad = bad or value < low or (low_open and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_open and value == high)
+    if bad:
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value}")
+    return value
+
+
+def require_probability(name: str, value: object) -> float:
+    """A dropout probability: a real number in [0, 1)."""
+    return require_real(name, value, low=0.0, high=1.0, high_open=True)
+
+
+def require_bool(name: str, value: object) -> bool:
+    """Raise `InputTypeError` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise InputTypeError(f"{name} must be True or False, got {value!r} "
+                             f"({type(value).__name__})")
+    return value
+
+
+def require_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """Raise unless ``value`` is one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise InputTypeError(f"{name} must be one of {choices}, got {value!r} "
+                             f"({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def require_floating(name: str, t: torch.Tensor) -> None:
+    """Raise `InputTypeError` unless ``t`` holds floating-point numbers."""
+    if not t.is_floating_point():
+        raise InputTypeError(
+            f"{name} must be a floating-point tensor, got dtype {t.dtype} with shape "
+            f"{shape_str(t)}"
+        )
+
+
+def require_bool_mask(name: str, mask: torch.Tensor) -> None:
+    """Raise `InputTypeError` unless ``mask`` is a bool tensor (True = may attend / real)."""
+    if mask.dtype != torch.bool:
+        raise InputTypeError(
+            f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype} with "
+            f"shape {shape_str(mask)}; utils.masks converts PyTorch's other conventions"
+        )
+
+
+def require_integer_ids(name: str, t: torch.Tensor, *, vocab_size: int | None = None) -> None:
+    """Raise unless ``t`` holds integer token ids, each in [0, vocab_size) when that is given."""
+    if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
+        raise InputTypeError(
+            f"{name} must hold integer token ids (torch.long), got dtype {t.dtype} with shape "
+            f"{shape_str(t)}"
+        )
+    if vocab_size is not None and t.numel() > 0:
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"{name} must hold ids in [0, {vocab_size}), got values from {low} to {high}"
+            )
+
+
+def module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of ``module``'s first floating-point parameter (None if it has none)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype, p.device
+    return None
+
+
+def require_like_module(name: str, t: torch.Tensor, module: nn.Module) -> None:
+    """Raise `InputTypeError` unless ``t`` is floating point, with ``module``'s dtype and device.
+
+    A float64 input to a float32 module would otherwise fail inside ``F.linear`` with
+    "mat1 and mat2 must have the same dtype"; say instead what to do.
+    """
+    require_floating(name, t)
+    ref = module_dtype_device(module)
+    if ref is None:
+        return
+    dtype, device = ref
+    if t.dtype != dtype:
+        raise InputTypeError(
+            f"{name} has dtype {t.dtype} but {type(module).__name__}'s parameters are {dtype}; "
+            f"convert one of them (x.to({dtype}) or module.to({t.dtype}))"
+        )
+    if t.device != device:
+        raise InputTypeError(
+            f"{name} is on {t.device} but {type(module).__name__}'s parameters are on {device}; "
+            f"move one of them (x.to('{device}') or module.to('{t.device}'))"
+        )
+
+
+def require_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise `InputTypeError` unless every given tensor (None ones skipped) is on one device."""
+    seen = [(n, t.device) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+    for n, d in seen[1:]:
+        if d != seen[0][1]:
+            raise InputTypeError(
+                f"{n} is on {d} but {seen[0][0]} is on {seen[0][1]}; put them on one device"
+            )
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
+    """Put ``module`` (and every submodule) in evaluation mode, and restore each one's mode on exit.
+
+    The mode of every submodule is restored as it was, even where a submodule's mode differed from
+    its parent's, and on every exit path (an exception included).
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        if enabled:
+            module.eval()
+        yield module
+    finally:
+        for m, was_training in modes:
+            m.training = was_training

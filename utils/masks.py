@@ -34,6 +34,7 @@ __all__ = [
     "from_torch_attn_mask",
     "to_additive_mask",
     "from_additive_mask",
+    "expand_mask",
 ]
 
 
@@ -292,3 +293,71 @@ def from_additive_mask(mask: torch.Tensor) -> torch.Tensor:
             "such a bias has no bool equivalent"
         )
     return ~blocked
+
+
+def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
+                name: str = "mask") -> torch.Tensor | None:
+    """Read a mask by the module's rule (see the module docstring) and make it 4-dimensional.
+
+    Args:
+        mask: None, or a bool tensor, True = may attend, of shape (B, L_k) (key padding),
+            (L_q, L_k) (shared by the batch), something broadcastable to (B, L_q, L_k), or to
+            (B, h, L_q, L_k).
+        batch, l_q, l_k: B, L_q and L_k of the attention the mask is meant for.
+        name: how the argument is called in error messages.
+
+    Returns:
+        None, or a bool tensor with 4 dims that broadcasts to (B, h, L_q, L_k) for any h:
+        (B, 1, 1, L_k) for a padding mask, (1, 1, L_q, L_k) for a shared one, (B, 1, L_q, L_k)
+        for a 3-dim one; a 4-dim mask is returned as it is (the attention checks h).
+
+    Raises:
+        ValueError: for a mask that is not bool, has the wrong number of dims, does not fit
+            (B, L_q, L_k), or is 2-dim and fits both the padding and the shared reading.
+    """
+    if mask is None:
+        return None
+    require_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype} with shape "
+            f"{shape_str(mask)}; utils.masks converts PyTorch's other conventions"
+        )
+    if mask.dim() == 2:
+        as_padding = tuple(mask.shape) == (batch, l_k)
+        as_shared = tuple(mask.shape) == (l_q, l_k)
+        if as_padding and as_shared:
+            raise ValueError(
+                f"{name} of shape {shape_str(mask)} is ambiguous because B = L_q = {batch}: it "
+                f"could be a (B, L_k) padding mask or an (L_q, L_k) mask shared by the batch. "
+                f"Write a padding mask as {name}[:, None, :] and a shared mask as {name}[None]"
+            )
+        if as_padding:
+            return padding_to_attention_mask(mask)  # (B, 1, 1, L_k)
+        if as_shared:
+            return mask[None, None, :, :]
+        raise ValueError(
+            f"a 2-dim {name} must be a (B, L_k) = {shape_str((batch, l_k))} padding mask or an "
+            f"(L_q, L_k) = {shape_str((l_q, l_k))} mask shared by the batch, got {shape_str(mask)}"
+        )
+    if mask.dim() == 3:
+        target: tuple[int, ...] = (batch, l_q, l_k)
+        desc = "(B, L_q, L_k)"
+    elif mask.dim() == 4:
+        target = (batch, mask.shape[1], l_q, l_k)  # h is checked by the attention itself
+        desc = "(B, h, L_q, L_k)"
+    else:
+        raise ValueError(
+            f"{name} must have 2, 3 or 4 dims ((B, L_k), (L_q, L_k), (B, L_q, L_k) or "
+            f"(B, h, L_q, L_k) with B={batch}, L_q={l_q}, L_k={l_k}), got {shape_str(mask)}"
+        )
+    try:
+        ok = tuple(torch.broadcast_shapes(mask.shape, target)) == tuple(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape_str(mask)} does not broadcast to {desc} with B={batch}, "
+            f"L_q={l_q}, L_k={l_k}"
+        )
+    return mask.unsqueeze(1) if mask.dim() == 3 else mask
