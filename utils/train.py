@@ -47,6 +47,24 @@ class History:
     step_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
+    def mean_loss(self, first: int, last: int) -> float:
+        """The mean training loss of updates ``first`` to ``last`` (1-based, both included).
+
+        A loss trajectory depends on the order in which the CPU sums floats, which differs between
+        processors and thread counts, and small differences grow over hundreds of steps. What
+        holds on any machine is a comparison with a wide margin, such as "the mean loss of the
+        last 100 steps is below 0.05": print that, and draw the trajectory in a figure.
+        """
+        n = len(self.step_losses)
+        for name, value in (("first", first), ("last", last)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int step, got {value!r}")
+        if not 1 <= first <= last <= n:
+            raise ValueError(f"need 1 <= first <= last <= {n} (the steps recorded), got "
+                             f"first={first}, last={last}")
+        window = self.step_losses[first - 1:last]
+        return sum(window) / len(window)
+
 
 def warmup_linear_decay(step: int, warmup: int, total: int) -> float:
     """The learning-rate multiplier at ``step`` (0-based).
