@@ -2,7 +2,9 @@
 
 A mask is a bool tensor, True = "this query may attend to this key", the polarity of the bool
 ``attn_mask`` of `torch.nn.functional.scaled_dot_product_attention`. It broadcasts to
-(B, h, L_q, L_k).
+(B, h, L_q, L_k). `expand_mask` holds the one rule by which every attention module of the book
+reads a mask argument: a (B, L_k) padding mask, an (L_q, L_k) shared mask, or a 3- or 4-dim
+mask, with the 2-dim case that fits both readings refused as ambiguous.
 
 PyTorch uses other conventions, and this module converts to and from each of them:
 
