@@ -13,6 +13,8 @@ import random
 import numpy as np
 import torch
 
+from ._validation import InputTypeError
+
 __all__ = ["seed_everything"]
 
 
@@ -27,10 +29,15 @@ def seed_everything(seed: int) -> None:
         seed: an integer from 0 to 2**32 - 1 (the range NumPy accepts).
 
     Raises:
-        ValueError: when ``seed`` is not an int (a bool is refused too) or is out of range.
+        InputTypeError: (a TypeError and a ValueError) when ``seed`` is not an int: a float such
+            as 1.5, a bool, a string or None.
+        ValueError: when ``seed`` is out of range.
     """
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int from 0 to 2**32 - 1, got {seed!r}")
+    expected = f"seed must be an int from 0 to 2**32 - 1, got {seed!r}"
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise InputTypeError(f"{expected} ({type(seed).__name__})")
+    if not 0 <= seed < 2**32:
+        raise ValueError(expected)
     seed = int(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     # Needed by cuBLAS for deterministic matrix products on a GPU; harmless on the CPU.

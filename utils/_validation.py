@@ -15,6 +15,7 @@ inside torch. Two kinds of error are raised:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import numbers
 from collections.abc import Iterator
@@ -236,3 +237,63 @@ def eval_mode(module: nn.Module, enabled: bool = True) -> Iterator[nn.Module]:
     finally:
         for m, was_training in modes:
             m.training = was_training
+
+
+def require_dtype(name: str, value: object, *, floating: bool = False) -> torch.dtype:
+    """Return ``value`` if it is a `torch.dtype` (a floating-point one when ``floating``).
+
+    A string such as ``"float32"`` or a Python type raises `InputTypeError`; an integer dtype
+    where a floating one belongs raises `ValueError`.
+    """
+    if not isinstance(value, torch.dtype):
+        raise InputTypeError(f"{name} must be a torch.dtype such as torch.float32, got {value!r} "
+                             f"({type(value).__name__})")
+    if floating and not value.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point dtype, got {value}")
+    return value
+
+
+def require_device(name: str, value: object) -> torch.device | None:
+    """Return ``value`` as a `torch.device` (None stays None), or raise naming what was given.
+
+    Accepts a `torch.device`, a string such as ``"cpu"`` or ``"cuda:0"``, or None.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)):
+        raise InputTypeError(f"{name} must be a torch.device, a string such as 'cpu', or None; "
+                             f"got {value!r} ({type(value).__name__})")
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda:0', "
+                         f"got {value!r}") from None
+
+
+def require_data(name: str, t: torch.Tensor) -> None:
+    """Raise `InputTypeError` if ``t`` lives on the ``meta`` device, where it has no values.
+
+    Functions that must look at the values of a tensor (its largest entry, whether it holds NaN)
+    call this first, so that a meta tensor gets a sentence instead of torch's "Tensor.item()
+    cannot be called on meta tensors".
+    """
+    if t.device.type == "meta":
+        raise InputTypeError(
+            f"{name} must hold values, got a tensor of shape {shape_str(t)} on the meta device; "
+            "move it to a real device first"
+        )
+
+
+def require_module_device(name: str, t: torch.Tensor, module: nn.Module) -> None:
+    """Raise `InputTypeError` unless ``t`` is on the device of ``module`` (of its first parameter
+    or buffer; a module with neither accepts any device).
+
+    For inputs whose dtype is not the module's (integer token ids), where `require_like_module`
+    does not apply.
+    """
+    ref = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if ref is not None and t.device != ref.device:
+        raise InputTypeError(
+            f"{name} is on {t.device} but {type(module).__name__} is on {ref.device}; move "
+            f"one of them ({name}.to('{ref.device}') or module.to('{t.device}'))"
+        )

@@ -13,7 +13,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import require_broadcastable, require_rank, require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_bool_mask,
+    require_broadcastable,
+    require_floating,
+    require_int,
+    require_like_module,
+    require_probability,
+    require_rank,
+    require_real,
+    require_same_device,
+    require_tensor,
+    shape_str,
+)
+from .masks import expand_mask
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention"]
 
@@ -28,21 +43,28 @@ def scaled_dot_product_attention(
     """softmax(q k^T / sqrt(d_k)) v, with an optional bool mask.
 
     Args:
-        q: queries, shape (..., L_q, d_k).
-        k: keys, shape (..., L_k, d_k).
-        v: values, shape (..., L_k, d_v).
+        q: queries, shape (..., L_q, d_k), floating point.
+        k: keys, shape (..., L_k, d_k), the dtype and device of ``q``.
+        v: values, shape (..., L_k, d_v), the dtype and device of ``q``.
         mask: optional bool tensor broadcastable to (..., L_q, L_k); True = may attend.
-            A query row with no allowed key gets all-zero weights and a zero output.
         dropout_p: probability of dropping an attention weight (applied after the softmax, with
-            the survivors scaled by 1 / (1 - p)); 0 disables it.
+            the survivors scaled by 1 / (1 - p)); a number in [0, 1), 0 disables it.
 
     Returns:
         ``(output, weights)``: output of shape (..., L_q, d_v) and weights of shape
-        (..., L_q, L_k), each weight row summing to 1 (or 0 for a fully masked row).
+        (..., L_q, L_k), each weight row summing to 1.
+
+    Degenerate inputs:
+        A query row with no allowed key (every key masked, or L_k = 0) gets all-zero weights and
+        a zero output, never NaN, and its gradients are zero too. An empty batch or L_q = 0 gives
+        empty outputs. NaN or infinite values in q, k or v are not checked and propagate.
 
     Raises:
-        ValueError: when the ranks, d_k, L_k, the batch dims or the mask's shape do not fit
-            together, when q, k and v differ in dtype, or when the mask is not bool.
+        InputTypeError: (a TypeError and a ValueError) when an argument is not a tensor, q, k
+            and v are not floating point or differ in dtype or device, the mask is not bool or
+            not on their device, or ``dropout_p`` is not a number.
+        ValueError: when the ranks, d_k (which must be at least 1), L_k, the batch dims or the
+            mask's shape do not fit together, or ``dropout_p`` is outside [0, 1).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, t)
@@ -54,6 +76,9 @@ def scaled_dot_product_attention(
             f"q and k must share the last dimension d_k: q is {shape_str(q)} (d_k={q.shape[-1]}),"
             f" k is {shape_str(k)} (d_k={k.shape[-1]})"
         )
+    if q.shape[-1] == 0:
+        raise ValueError(f"d_k must be at least 1 (the scores are divided by sqrt(d_k)), got q "
+                         f"{shape_str(q)} and k {shape_str(k)}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
@@ -67,20 +92,17 @@ def scaled_dot_product_attention(
             " do not broadcast together"
         ) from None
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
+        raise InputTypeError(
             f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
         )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    require_floating("q", q)
+    dropout_p = require_probability("dropout_p", dropout_p)
     if mask is not None:
         require_tensor("mask", mask)
-        if mask.dtype != torch.bool:
-            raise ValueError(
-                f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
-                "utils.masks converts PyTorch's other conventions"
-            )
+        require_bool_mask("mask", mask)
         target = (*batch, q.shape[-2], k.shape[-2])
         require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
+    require_same_device(q=q, k=k, v=v, mask=mask)
 
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., L_q, L_k)
@@ -97,11 +119,12 @@ def scaled_dot_product_attention(
     return weights @ v, weights
 
 
-def _check_qkv(query: object, key: object, value: object, d_model: int) -> None:
+def _check_qkv(module: nn.Module, query: object, key: object, value: object) -> None:
     """Validate the (B, L_q, d_model) query and (B, L_k, d_model) key and value of a module."""
+    d_model = module.d_model
     for name, t in (("query", query), ("key", key), ("value", value)):
         require_tensor(name, t)
-        require_rank(name, t, "(B, L, d_model)", rank=3)
+        require_rank(name, t, f"(B, L, d_model={d_model})", rank=3)
         if t.shape[-1] != d_model:
             raise ValueError(
                 f"{name} must have shape (B, L, d_model={d_model}), got {shape_str(t)}"
@@ -116,45 +139,41 @@ def _check_qkv(query: object, key: object, value: object, d_model: int) -> None:
             f"query and key must have the same batch size B: query {shape_str(query)}, "
             f"key {shape_str(key)}"
         )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        require_like_module(name, t, module)
 
 
-def _check_mask(mask: torch.Tensor, b: int, h: int, l_q: int, l_k: int) -> torch.Tensor:
-    """Validate a multi-head mask and return it ready to broadcast to (B, h, L_q, L_k)."""
-    require_tensor("mask", mask)
-    if mask.dtype != torch.bool:
+def _read_mask(mask: object, query: torch.Tensor, key: torch.Tensor,
+               num_heads: int) -> torch.Tensor | None:
+    """A multi-head mask read by `utils.masks.expand_mask`, checked, as (B, 1 or h, L_q, L_k)."""
+    b, l_q, l_k = query.shape[0], query.shape[1], key.shape[1]
+    full = expand_mask(mask, b, l_q, l_k)
+    if full is None:
+        return None
+    if full.shape[1] not in (1, num_heads):
         raise ValueError(
-            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype} with shape "
-            f"{shape_str(mask)}; utils.masks converts PyTorch's other conventions"
+            f"mask of shape {shape_str(mask)} has {full.shape[1]} heads but the attention has "
+            f"h={num_heads}: a 4-dim mask must broadcast to (B, h, L_q, L_k) = "
+            f"{shape_str((b, num_heads, l_q, l_k))}"
         )
-    if mask.dim() not in (2, 3, 4):
-        raise ValueError(
-            f"mask must have shape (L_q, L_k), (B, L_q, L_k) or (B, h, L_q, L_k) = "
-            f"{shape_str((b, h, l_q, l_k))}, got {shape_str(mask)}"
-        )
-    full = mask.unsqueeze(1) if mask.dim() == 3 else mask  # (B, L_q, L_k): same for every head
-    try:
-        ok = tuple(torch.broadcast_shapes(full.shape, (b, h, l_q, l_k))) == (b, h, l_q, l_k)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        layout = {2: "(L_q, L_k)", 3: "(B, L_q, L_k)", 4: "(B, h, L_q, L_k)"}[mask.dim()]
-        raise ValueError(
-            f"mask of shape {shape_str(mask)}, read as {layout}, does not broadcast to "
-            f"(B, h, L_q, L_k) = {shape_str((b, h, l_q, l_k))}; a (B, L_k) padding mask must "
-            "first become (B, 1, 1, L_k) (utils.masks.padding_to_attention_mask)"
-        )
+    require_same_device(query=query, mask=full)
     return full
 
 
-def _check_heads(d_model: int, num_heads: int, dropout: float) -> None:
-    """Raise `ValueError` unless num_heads divides d_model and 0 <= dropout < 1."""
+def _check_heads(d_model: object, num_heads: object, dropout: object, bias: object) -> None:
+    """Raise unless d_model and num_heads are positive ints, num_heads divides d_model,
+    0 <= dropout < 1 and bias is a bool."""
+    require_int("d_model", d_model)
+    require_int("num_heads", num_heads)
     if d_model % num_heads != 0:
         raise ValueError(
             f"d_model must be divisible by num_heads: d_model={d_model}, num_heads={num_heads}"
             f" leaves a remainder of {d_model % num_heads}"
         )
+    dropout = require_real("dropout", dropout)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    require_bool("bias", bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -164,38 +183,53 @@ class MultiHeadAttention(nn.Module):
     and mixed by the output projection W_O.
 
     Args:
-        d_model: width of the input and output vectors.
-        num_heads: number of heads h; must divide ``d_model``.
+        d_model: width of the input and output vectors, a positive int.
+        num_heads: number of heads h, a positive int that divides ``d_model``.
         bias: whether the four projections have biases.
-        dropout: dropout on the attention weights during training.
+        dropout: dropout on the attention weights during training, in [0, 1).
 
     Shapes:
         query (B, L_q, d_model), key and value (B, L_k, d_model) -> output (B, L_q, d_model).
         After a forward pass, ``attn_weights`` holds the weights (B, h, L_q, L_k).
+
+    Raises:
+        InputTypeError: for a count that is not an int (``2.5``, ``True``), a dropout that is not
+            a number or a bias that is not a bool.
+        ValueError: for a count below 1, ``num_heads`` not dividing ``d_model``, or a dropout
+            outside [0, 1).
     """
 
     def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        if d_model <= 0 or num_heads <= 0:
-            raise ValueError(f"d_model and num_heads must be positive, got {d_model}, {num_heads}")
-        _check_heads(d_model, num_heads, dropout)
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.d_k = d_model // num_heads
-        self.dropout = dropout
-        self.w_q = nn.Linear(d_model, d_model, bias=bias)
-        self.w_k = nn.Linear(d_model, d_model, bias=bias)
-        self.w_v = nn.Linear(d_model, d_model, bias=bias)
-        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        _check_heads(d_model, num_heads, dropout, bias)
+        self.d_model = int(d_model)
+        self.num_heads = int(num_heads)
+        self.d_k = self.d_model // self.num_heads
+        self.dropout = float(dropout)
+        self.w_q = nn.Linear(self.d_model, self.d_model, bias=bias)
+        self.w_k = nn.Linear(self.d_model, self.d_model, bias=bias)
+        self.w_v = nn.Linear(self.d_model, self.d_model, bias=bias)
+        self.w_o = nn.Linear(self.d_model, self.d_model, bias=bias)
         self.attn_weights: torch.Tensor | None = None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, d_model) -> (B, h, L, d_k)."""
+        require_tensor("x", x)
+        require_rank("x", x, f"(B, L, d_model={self.d_model})", rank=3)
+        if x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"x must have shape (B, L, d_model={self.d_model}), got {shape_str(x)}"
+            )
         b, length, _ = x.shape
         return x.view(b, length, self.num_heads, self.d_k).transpose(1, 2)
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, h, L, d_k) -> (B, L, d_model)."""
+        require_tensor("x", x)
+        expected = f"(B, h={self.num_heads}, L, d_k={self.d_k})"
+        require_rank("x", x, expected, rank=4)
+        if x.shape[1] != self.num_heads or x.shape[3] != self.d_k:
+            raise ValueError(f"x must have shape {expected}, got {shape_str(x)}")
         b, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(b, length, self.d_model)
 
@@ -209,18 +243,31 @@ class MultiHeadAttention(nn.Module):
         """Attend from ``query`` to ``key``/``value``.
 
         Args:
-            query: (B, L_q, d_model).
-            key: (B, L_k, d_model).
-            value: (B, L_k, d_model).
-            mask: optional bool mask, True = may attend, of shape (L_q, L_k), (B, L_q, L_k)
-                (the same for every head) or anything that broadcasts to (B, h, L_q, L_k).
+            query: (B, L_q, d_model), with the dtype and device of the module's parameters.
+            key: (B, L_k, d_model), likewise.
+            value: (B, L_k, d_model), likewise.
+            mask: optional bool mask, True = may attend, read by the library's one rule
+                (`utils.masks.expand_mask`):
+
+                * 2 dims (B, L_k): a key padding mask, the same for every query and head;
+                * 2 dims (L_q, L_k): one mask shared by the whole batch (a causal mask);
+                * a 2-dim mask that fits both (B == L_q > 1) is ambiguous and raises: write
+                  ``pad[:, None, :]`` for padding or ``mask[None]`` for a shared mask;
+                * 3 dims: broadcastable to (B, L_q, L_k), the same for every head;
+                * 4 dims: broadcastable to (B, h, L_q, L_k).
 
         Returns:
-            (B, L_q, d_model).
+            (B, L_q, d_model). A query with no allowed key (every key masked, or L_k = 0) gets
+            zero attention weights, so its output is W_O's bias (zero without biases), never NaN.
+            An empty batch or L_q = 0 gives an empty output.
+
+        Raises:
+            InputTypeError: for a non-tensor, a dtype or device other than the parameters', or a
+                mask that is not bool or not on the inputs' device.
+            ValueError: for shapes that do not fit, or a mask that is ambiguous or does not fit.
         """
-        _check_qkv(query, key, value, self.d_model)
-        if mask is not None:
-            mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
+        _check_qkv(self, query, key, value)
+        mask = _read_mask(mask, query, key, self.num_heads)
         q = self.split_heads(self.w_q(query))
         k = self.split_heads(self.w_k(key))
         v = self.split_heads(self.w_v(value))
@@ -231,39 +278,59 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
-        """A `MultiHeadAttention` holding a copy of ``module``'s parameters.
+        """A `MultiHeadAttention` holding an exact copy of ``module``'s parameters.
 
-        The result gives the same output as ``module`` (with ``batch_first=True``, or with its
-        inputs transposed) to about 1e-6 in float32.
+        The result gives the same output as ``module`` to about 1e-6 in float32, on the same
+        inputs batch first: with ``batch_first=False`` only the parameters are copied, and the
+        copy still expects (B, L, d_model). It has the module's dtype, device, dropout and
+        train/eval mode. A module whose input projections have biases and whose output
+        projection has none, or the reverse (possible by editing ``out_proj.bias``), is copied
+        as it is: ``w_o`` then has a bias exactly when ``out_proj`` has one.
 
         Raises:
-            ValueError: for options this class does not have (separate key/value widths,
-                ``add_bias_kv``, ``add_zero_attn``).
+            InputTypeError: when ``module`` is not an ``nn.MultiheadAttention``.
+            ValueError: for what this class cannot compute: key and value widths (``kdim``,
+                ``vdim``) other than ``embed_dim``, ``add_bias_kv`` and ``add_zero_attn``.
         """
         if not isinstance(module, nn.MultiheadAttention):
-            raise ValueError(f"expected nn.MultiheadAttention, got {type(module).__name__}")
+            raise InputTypeError(
+                f"module must be an nn.MultiheadAttention, got {type(module).__name__}"
+            )
         if not module._qkv_same_embed_dim:
-            raise ValueError("kdim/vdim different from embed_dim are not supported")
+            raise ValueError(
+                f"cannot copy an nn.MultiheadAttention with kdim={module.kdim} and "
+                f"vdim={module.vdim} different from embed_dim={module.embed_dim}: "
+                "MultiHeadAttention takes keys and values of width d_model"
+            )
         if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError("add_bias_kv and add_zero_attn are not supported")
-        d = module.embed_dim
-        bias = module.in_proj_bias is not None
-        new = cls(d, module.num_heads, bias=bias, dropout=module.dropout)
-        new = new.to(dtype=module.in_proj_weight.dtype, device=module.in_proj_weight.device)
+            raise ValueError(
+                "cannot copy an nn.MultiheadAttention with add_bias_kv=True or "
+                "add_zero_attn=True: both append a key MultiHeadAttention does not have"
+            )
+        weight = module.in_proj_weight
+        in_bias = module.in_proj_bias is not None
+        new = cls(module.embed_dim, module.num_heads, bias=in_bias, dropout=module.dropout)
+        _match_bias(new, module.out_proj)
+        new = new.to(dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
-            w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)
-            new.w_q.weight.copy_(w_q)
-            new.w_k.weight.copy_(w_k)
-            new.w_v.weight.copy_(w_v)
-            new.w_o.weight.copy_(module.out_proj.weight)
-            if bias:
-                b_q, b_k, b_v = module.in_proj_bias.chunk(3, dim=0)
-                new.w_q.bias.copy_(b_q)
-                new.w_k.bias.copy_(b_k)
-                new.w_v.bias.copy_(b_v)
-                new.w_o.bias.copy_(module.out_proj.bias)
+            for i, dst in enumerate((new.w_q, new.w_k, new.w_v)):
+                dst.weight.copy_(weight.chunk(3, dim=0)[i])
+                if in_bias:
+                    dst.bias.copy_(module.in_proj_bias.chunk(3)[i])
+            new.w_o.load_state_dict(module.out_proj.state_dict())
         new.train(module.training)
         return new
+
+
+def _match_bias(new: nn.Module, out_proj: nn.Linear) -> None:
+    """Give ``new.w_o`` a bias exactly when ``out_proj`` has one.
+
+    Only a module whose output projection differs from its input projections needs a new
+    ``w_o``; the usual case draws no extra random numbers, so seeded results stay the same.
+    """
+    has_bias = out_proj.bias is not None
+    if (new.w_o.bias is not None) != has_bias:
+        new.w_o = nn.Linear(out_proj.in_features, out_proj.out_features, bias=has_bias)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -276,42 +343,43 @@ class GroupedQueryAttention(nn.Module):
     projections and, above all, a smaller key/value cache when generating text.
 
     Args:
-        d_model: width of the input and output vectors.
-        num_heads: number of query heads h; must divide ``d_model``.
-        num_kv_heads: number of key/value heads; must divide ``num_heads``.
+        d_model: width of the input and output vectors, a positive int.
+        num_heads: number of query heads h, a positive int that divides ``d_model``.
+        num_kv_heads: number of key/value heads, a positive int that divides ``num_heads``.
         bias: whether the four projections have biases.
-        dropout: dropout on the attention weights during training.
+        dropout: dropout on the attention weights during training, in [0, 1).
 
     Shapes:
         query (B, L_q, d_model), key and value (B, L_k, d_model) -> output (B, L_q, d_model).
         ``w_k`` and ``w_v`` map d_model -> num_kv_heads * d_k. After a forward pass,
         ``attn_weights`` holds the weights (B, h, L_q, L_k).
+
+    Raises:
+        InputTypeError, ValueError: as `MultiHeadAttention`, and when ``num_kv_heads`` is not a
+            positive int dividing ``num_heads``.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, bias: bool = True,
                  dropout: float = 0.0):
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads),
-                            ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        _check_heads(d_model, num_heads, dropout)
+        _check_heads(d_model, num_heads, dropout, bias)
+        require_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads must be divisible by num_kv_heads: num_heads={num_heads}, "
                 f"num_kv_heads={num_kv_heads} leaves a remainder of {num_heads % num_kv_heads}"
             )
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group_size = num_heads // num_kv_heads
-        self.d_k = d_model // num_heads
-        self.dropout = dropout
-        kv_width = num_kv_heads * self.d_k
-        self.w_q = nn.Linear(d_model, d_model, bias=bias)
-        self.w_k = nn.Linear(d_model, kv_width, bias=bias)
-        self.w_v = nn.Linear(d_model, kv_width, bias=bias)
-        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        self.d_model = int(d_model)
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads)
+        self.group_size = self.num_heads // self.num_kv_heads
+        self.d_k = self.d_model // self.num_heads
+        self.dropout = float(dropout)
+        kv_width = self.num_kv_heads * self.d_k
+        self.w_q = nn.Linear(self.d_model, self.d_model, bias=bias)
+        self.w_k = nn.Linear(self.d_model, kv_width, bias=bias)
+        self.w_v = nn.Linear(self.d_model, kv_width, bias=bias)
+        self.w_o = nn.Linear(self.d_model, self.d_model, bias=bias)
         self.attn_weights: torch.Tensor | None = None
 
     def kv_cache_per_token(self) -> int:
@@ -329,11 +397,14 @@ class GroupedQueryAttention(nn.Module):
         value: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attend from ``query`` to ``key``/``value``; the arguments are as in
-        `MultiHeadAttention.forward`. Returns (B, L_q, d_model)."""
-        _check_qkv(query, key, value, self.d_model)
-        if mask is not None:
-            mask = _check_mask(mask, query.shape[0], self.num_heads, query.shape[1], key.shape[1])
+        """Attend from ``query`` to ``key``/``value``.
+
+        The arguments, the mask rule (a (B, L_k) padding mask, an (L_q, L_k) shared mask, the
+        ambiguous B == L_q case raising, 3- and 4-dim masks), the degenerate cases and the errors
+        are those of `MultiHeadAttention.forward`. Returns (B, L_q, d_model).
+        """
+        _check_qkv(self, query, key, value)
+        mask = _read_mask(mask, query, key, self.num_heads)
         q = self._split(self.w_q(query), self.num_heads)  # (B, h, L_q, d_k)
         k = self._split(self.w_k(key), self.num_kv_heads)  # (B, h_kv, L_k, d_k)
         v = self._split(self.w_v(value), self.num_kv_heads)
@@ -354,21 +425,29 @@ class GroupedQueryAttention(nn.Module):
 
         The query and output projections are copied; the key and value projections of the heads in
         each group are averaged into one head. With ``num_kv_heads`` equal to the number of heads
-        (the default) nothing is averaged and the result computes exactly what ``mha`` does.
+        (the default) nothing is averaged and the result computes exactly what ``mha`` does. Each
+        projection has a bias exactly when ``mha``'s has; dtype, device, dropout and train/eval
+        mode are ``mha``'s.
+
+        Raises:
+            InputTypeError: when ``mha`` is not a `MultiHeadAttention` or ``num_kv_heads`` is
+                not an int.
+            ValueError: when ``num_kv_heads`` is below 1 or does not divide the number of heads.
         """
         if not isinstance(mha, MultiHeadAttention):
-            raise ValueError(f"expected a MultiHeadAttention, got {type(mha).__name__}")
+            raise InputTypeError(f"mha must be a MultiHeadAttention, got {type(mha).__name__}")
         h = mha.num_heads
         num_kv_heads = h if num_kv_heads is None else num_kv_heads
         bias = mha.w_q.bias is not None
         new = cls(mha.d_model, h, num_kv_heads, bias=bias, dropout=mha.dropout)
+        _match_bias(new, mha.w_o)
         new = new.to(dtype=mha.w_q.weight.dtype, device=mha.w_q.weight.device)
         g, d_k = new.group_size, mha.d_k
 
         def pool(t: torch.Tensor) -> torch.Tensor:
             # rows of a projection are (head, d_k) pairs; average the heads of each group
-            return t.reshape(num_kv_heads, g, d_k, *t.shape[1:]).mean(dim=1).reshape(
-                num_kv_heads * d_k, *t.shape[1:]
+            return t.reshape(new.num_kv_heads, g, d_k, *t.shape[1:]).mean(dim=1).reshape(
+                new.num_kv_heads * d_k, *t.shape[1:]
             )
 
         with torch.no_grad():

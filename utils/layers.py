@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_choice,
+    require_int,
+    require_like_module,
+    require_probability,
+    require_real,
+    require_tensor,
+    shape_str,
+)
 
 __all__ = [
     "LayerNorm",
@@ -28,16 +38,42 @@ __all__ = [
 ]
 
 
-def _require_last_dim(name: str, x: object, d_model: int) -> torch.Tensor:
+def _require_last_dim(name: str, x: object, module: nn.Module) -> torch.Tensor:
+    """A tensor of shape (..., d_model) with the dtype and device of ``module``'s parameters."""
     require_tensor(name, x)
-    if x.dim() == 0 or x.shape[-1] != d_model:
-        raise ValueError(f"{name} must have shape (..., d_model={d_model}), got {shape_str(x)}")
+    if x.dim() == 0 or x.shape[-1] != module.d_model:
+        raise ValueError(
+            f"{name} must have shape (..., d_model={module.d_model}), got {shape_str(x)}"
+        )
+    require_like_module(name, x, module)
     return x
 
 
-def _require_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _norm_source(module: object, torch_cls: type[nn.Module]) -> int:
+    """The d_model of a torch norm layer that can be copied exactly, or an error saying why not."""
+    if not isinstance(module, torch_cls):
+        raise InputTypeError(
+            f"module must be an nn.{torch_cls.__name__}, got {type(module).__name__}"
+        )
+    shape = tuple(module.normalized_shape)
+    if len(shape) != 1:
+        raise ValueError(
+            f"cannot copy an nn.{torch_cls.__name__} over the last {len(shape)} dims "
+            f"{shape}: only a single normalized dimension is supported"
+        )
+    return shape[0]
+
+
+def _copy_norm(new: nn.Module, module: nn.Module) -> nn.Module:
+    """Move ``new`` to ``module``'s dtype and device and copy its gain (and bias) in."""
+    ref = next(iter(module.parameters()), None)
+    if ref is not None:
+        new = new.to(dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                getattr(new, name).copy_(p)
+    new.train(module.training)
+    return new
 
 
 class LayerNorm(nn.Module):
@@ -47,55 +83,64 @@ class LayerNorm(nn.Module):
     (divided by d_model, not d_model - 1) taken over the features of each position.
 
     Args:
-        d_model: the size of the last dimension.
-        eps: added to the variance for numerical safety.
+        d_model: the size of the last dimension, a positive int.
+        eps: added to the variance for numerical safety, a finite number >= 0. With ``eps=0`` a
+            position whose features are all equal gives 0 / 0 = NaN, as in torch; any positive
+            eps gives zeros there (then the bias).
+        elementwise_affine: whether there is a learned gain (and bias), as in `torch.nn.LayerNorm`.
+        bias: whether there is a learned bias (only with ``elementwise_affine``).
 
     Attributes:
-        weight: the gain, shape (d_model,), initialised to ones.
-        bias: shape (d_model,), initialised to zeros.
+        weight: the gain, shape (d_model,), initialised to ones; None without
+            ``elementwise_affine``.
+        bias: shape (d_model,), initialised to zeros; None without it.
 
     Shapes:
-        (..., d_model) -> (..., d_model).
+        (..., d_model) -> (..., d_model), in the dtype and on the device of the parameters.
+        An empty batch gives an empty output.
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-5):
+    def __init__(self, d_model: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True):
         super().__init__()
-        _require_positive("d_model", d_model)
-        if not eps >= 0:
-            raise ValueError(f"eps must be non-negative, got {eps!r}")
-        self.d_model = d_model
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
-        self.bias = nn.Parameter(torch.zeros(d_model))
+        self.d_model = require_int("d_model", d_model)
+        self.eps = require_real("eps", eps, low=0.0)
+        affine = require_bool("elementwise_affine", elementwise_affine)
+        with_bias = require_bool("bias", bias) and affine
+        self.weight = nn.Parameter(torch.ones(self.d_model)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(self.d_model)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _require_last_dim("x", x, self.d_model)
+        _require_last_dim("x", x, self)
         mean = x.mean(dim=-1, keepdim=True)
         var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
-        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+        y = (x - mean) / torch.sqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y
 
     def extra_repr(self) -> str:
-        return f"{self.d_model}, eps={self.eps}"
+        return (f"{self.d_model}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
+                f"bias={self.bias is not None}")
 
     @classmethod
     def from_torch(cls, module: nn.LayerNorm) -> LayerNorm:
-        """A `LayerNorm` holding a copy of ``module``'s gain, bias and eps."""
-        if not isinstance(module, nn.LayerNorm):
-            raise ValueError(f"expected nn.LayerNorm, got {type(module).__name__}")
-        if len(module.normalized_shape) != 1:
-            raise ValueError(
-                f"only a single normalized dimension is supported, got {module.normalized_shape}"
-            )
-        w = module.weight
-        new = cls(module.normalized_shape[0], eps=module.eps)
-        if w is not None:
-            new = new.to(dtype=w.dtype, device=w.device)
-        with torch.no_grad():
-            if module.weight is not None:
-                new.weight.copy_(module.weight)
-            if module.bias is not None:
-                new.bias.copy_(module.bias)
-        return new
+        """A `LayerNorm` holding an exact copy of ``module``'s gain, bias and eps.
+
+        Every `torch.nn.LayerNorm` over one dimension is copied: with ``elementwise_affine=False``
+        the copy has no parameters, with ``bias=False`` no bias, as the original. The copy has
+        the module's dtype, device and train/eval mode, and gives the same output to about 1e-6.
+
+        Raises:
+            InputTypeError: when ``module`` is not an ``nn.LayerNorm``.
+            ValueError: when it normalizes over more than one dimension.
+        """
+        d_model = _norm_source(module, nn.LayerNorm)
+        new = cls(d_model, eps=module.eps, elementwise_affine=module.weight is not None,
+                  bias=module.bias is not None)
+        return _copy_norm(new, module)
 
 
 class RMSNorm(nn.Module):
@@ -104,50 +149,52 @@ class RMSNorm(nn.Module):
     y = x / sqrt(mean(x^2) + eps) * gain.
 
     Args:
-        d_model: the size of the last dimension.
-        eps: added to the mean square; None means the machine epsilon of the input's dtype,
-            as in `torch.nn.RMSNorm`.
+        d_model: the size of the last dimension, a positive int.
+        eps: added to the mean square, a finite number >= 0; None means the machine epsilon of
+            the input's dtype, as in `torch.nn.RMSNorm`. With ``eps=0`` an all-zero position
+            gives 0 / 0 = NaN, as in torch; None or a positive eps gives zeros there.
+        elementwise_affine: whether there is a learned gain, as in `torch.nn.RMSNorm`.
 
     Attributes:
-        weight: the gain, shape (d_model,), initialised to ones.
+        weight: the gain, shape (d_model,), initialised to ones; None without
+            ``elementwise_affine``.
 
     Shapes:
-        (..., d_model) -> (..., d_model).
+        (..., d_model) -> (..., d_model), in the dtype and on the device of the gain.
+        An empty batch gives an empty output.
     """
 
-    def __init__(self, d_model: int, eps: float | None = 1e-6):
+    def __init__(self, d_model: int, eps: float | None = 1e-6, elementwise_affine: bool = True):
         super().__init__()
-        _require_positive("d_model", d_model)
-        if eps is not None and not eps >= 0:
-            raise ValueError(f"eps must be non-negative or None, got {eps!r}")
-        self.d_model = d_model
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
+        self.d_model = require_int("d_model", d_model)
+        self.eps = None if eps is None else require_real("eps", eps, low=0.0)
+        affine = require_bool("elementwise_affine", elementwise_affine)
+        self.weight = nn.Parameter(torch.ones(self.d_model)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _require_last_dim("x", x, self.d_model)
+        _require_last_dim("x", x, self)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         ms = (x * x).mean(dim=-1, keepdim=True)
-        return x * torch.rsqrt(ms + eps) * self.weight
+        y = x * torch.rsqrt(ms + eps)
+        return y if self.weight is None else y * self.weight
 
     def extra_repr(self) -> str:
-        return f"{self.d_model}, eps={self.eps}"
+        return f"{self.d_model}, eps={self.eps}, elementwise_affine={self.weight is not None}"
 
     @classmethod
     def from_torch(cls, module: nn.RMSNorm) -> RMSNorm:
-        """An `RMSNorm` holding a copy of ``module``'s gain and eps."""
-        if not isinstance(module, nn.RMSNorm):
-            raise ValueError(f"expected nn.RMSNorm, got {type(module).__name__}")
-        if len(module.normalized_shape) != 1:
-            raise ValueError(
-                f"only a single normalized dimension is supported, got {module.normalized_shape}"
-            )
-        new = cls(module.normalized_shape[0], eps=module.eps)
-        if module.weight is not None:
-            new = new.to(dtype=module.weight.dtype, device=module.weight.device)
-            with torch.no_grad():
-                new.weight.copy_(module.weight)
-        return new
+        """An `RMSNorm` holding an exact copy of ``module``'s gain and eps (None included).
+
+        A `torch.nn.RMSNorm` with ``elementwise_affine=False`` gives a copy without a gain. The
+        copy has the module's dtype, device and train/eval mode.
+
+        Raises:
+            InputTypeError: when ``module`` is not an ``nn.RMSNorm``.
+            ValueError: when it normalizes over more than one dimension.
+        """
+        d_model = _norm_source(module, nn.RMSNorm)
+        new = cls(d_model, eps=module.eps, elementwise_affine=module.weight is not None)
+        return _copy_norm(new, module)
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -163,8 +210,8 @@ def gated_ffn_width(d_ff: int, multiple_of: int = 1) -> int:
 
     Example: ``gated_ffn_width(2048) == 1365``; ``gated_ffn_width(2048, 8) == 1368``.
     """
-    _require_positive("d_ff", d_ff)
-    _require_positive("multiple_of", multiple_of)
+    d_ff = require_int("d_ff", d_ff)
+    multiple_of = require_int("multiple_of", multiple_of)
     width = max(1, round(2 * d_ff / 3))
     return -(-width // multiple_of) * multiple_of
 
@@ -187,31 +234,35 @@ class PositionwiseFeedForward(nn.Module):
         bias: whether the projections have biases.
 
     Shapes:
-        (..., d_model) -> (..., d_model).
+        (..., d_model) -> (..., d_model), in the dtype and on the device of the parameters; an
+        empty batch gives an empty output.
+
+    Raises:
+        InputTypeError: for a width that is not an int, an activation that is not a string, a
+            dropout that is not a number, a bias that is not a bool, or (in forward) an input
+            of another dtype or device than the parameters.
+        ValueError: for a width below 1, an unknown activation, a dropout outside [0, 1), or
+            an input whose last dim is not d_model.
     """
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu",
                  bias: bool = True):
         super().__init__()
-        choices = sorted(ACTIVATIONS) + sorted(GATED_ACTIVATIONS)
-        if activation not in choices:
-            raise ValueError(f"activation must be one of {choices}, got {activation!r}")
-        _require_positive("d_model", d_model)
-        _require_positive("d_ff", d_ff)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.d_model = d_model
-        self.d_ff = d_ff
-        self.activation = activation
+        choices = (*sorted(ACTIVATIONS), *sorted(GATED_ACTIVATIONS))
+        self.activation = require_choice("activation", activation, choices)
+        self.d_model = require_int("d_model", d_model)
+        self.d_ff = require_int("d_ff", d_ff)
+        dropout = require_probability("dropout", dropout)
+        require_bool("bias", bias)
         self.gated = activation in GATED_ACTIVATIONS
-        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.gate = nn.Linear(d_model, d_ff, bias=bias) if self.gated else None
+        self.linear1 = nn.Linear(self.d_model, self.d_ff, bias=bias)
+        self.gate = nn.Linear(self.d_model, self.d_ff, bias=bias) if self.gated else None
         self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.linear2 = nn.Linear(self.d_ff, self.d_model, bias=bias)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden activations, (..., d_ff), before dropout."""
-        _require_last_dim("x", x, self.d_model)
+        _require_last_dim("x", x, self)
         if self.gated:
             return GATED_ACTIVATIONS[self.activation](self.gate(x)) * self.linear1(x)
         return ACTIVATIONS[self.activation](self.linear1(x))
@@ -244,25 +295,31 @@ class MixtureOfExperts(nn.Module):
         last_counts: after a forward pass, (E,) how many tokens each expert received.
 
     Shapes:
-        (..., d_model) -> (..., d_model).
+        (..., d_model) -> (..., d_model), in the dtype and on the device of the parameters. An
+        empty batch gives an empty output, an empty ``last_assignment`` and all-zero
+        ``last_counts``.
+
+    Raises:
+        InputTypeError, ValueError: as `PositionwiseFeedForward`, and for a ``num_experts`` that
+            is not a positive int.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, activation: str = "relu"):
         super().__init__()
-        _require_positive("num_experts", num_experts)
-        self.d_model = d_model
-        self.num_experts = num_experts
-        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.d_model = require_int("d_model", d_model)
+        require_int("d_ff", d_ff)
+        self.num_experts = require_int("num_experts", num_experts)
+        self.router = nn.Linear(self.d_model, self.num_experts, bias=False)
         self.experts = nn.ModuleList(
             PositionwiseFeedForward(d_model, d_ff, activation=activation)
-            for _ in range(num_experts)
+            for _ in range(self.num_experts)
         )
         self.last_assignment: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen expert (..., ) and its router probability (..., ) for every token."""
-        _require_last_dim("x", x, self.d_model)
+        _require_last_dim("x", x, self)
         probs = torch.softmax(self.router(x), dim=-1)
         p, idx = probs.max(dim=-1)
         return idx, p

@@ -2,7 +2,9 @@
 
 A mask is a bool tensor, True = "this query may attend to this key", the polarity of the bool
 ``attn_mask`` of `torch.nn.functional.scaled_dot_product_attention`. It broadcasts to
-(B, h, L_q, L_k).
+(B, h, L_q, L_k). `expand_mask` holds the one rule by which every attention module of the book
+reads a mask argument: a (B, L_k) padding mask, an (L_q, L_k) shared mask, or a 3- or 4-dim
+mask, with the 2-dim case that fits both readings refused as ambiguous.
 
 PyTorch uses other conventions, and this module converts to and from each of them:
 
@@ -18,9 +20,23 @@ PyTorch uses other conventions, and this module converts to and from each of the
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from ._validation import require_rank, require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_bool_mask,
+    require_data,
+    require_device,
+    require_dtype,
+    require_int,
+    require_rank,
+    require_same_device,
+    require_tensor,
+    shape_str,
+)
 
 __all__ = [
     "causal_mask",
@@ -38,19 +54,21 @@ __all__ = [
 ]
 
 
-def _require_bool(name: str, mask: torch.Tensor) -> None:
+def _require_bool(name: str, mask: object) -> torch.Tensor:
     require_tensor(name, mask)
-    if mask.dtype != torch.bool:
-        raise ValueError(
-            f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype} "
-            f"with shape {shape_str(mask)}"
+    require_bool_mask(name, mask)
+    return mask
+
+
+def _require_torch_mask(name: str, mask: object) -> torch.Tensor:
+    """A mask in one of PyTorch's conventions: a bool or a floating-point tensor."""
+    require_tensor(name, mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise InputTypeError(
+            f"{name} must be a bool or a floating-point (additive) tensor, got dtype "
+            f"{mask.dtype} with shape {shape_str(mask)}"
         )
-
-
-def _require_length(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,8 +84,13 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
         [[True, False, False],
          [True, True,  False],
          [True, True,  True ]]
+
+    Args:
+        length: L, a positive int (a float such as 2.5, a bool or 0 raises).
+        device: where to make the mask (a `torch.device`, a string such as "cpu", or None).
     """
-    _require_length("length", length)
+    length = require_int("length", length)
+    device = require_device("device", device)
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
@@ -75,21 +98,40 @@ def padding_mask(lengths: torch.Tensor | list[int], max_len: int | None = None) 
     """The (B, max_len) bool mask that is True at real tokens and False at padding.
 
     Args:
-        lengths: (B,) the number of real tokens in each sequence; padding comes after them.
-        max_len: the padded length; defaults to ``max(lengths)``.
+        lengths: (B,) the number of real tokens in each sequence, non-negative integers (a list
+            or an integer tensor); padding comes after them.
+        max_len: the padded length, an int >= 0; defaults to ``max(lengths)``.
 
     Returns:
         (B, max_len) bool. To use it as a key mask in attention, turn it into (B, 1, 1, L_k) with
-        `padding_to_attention_mask`, which broadcasts to (B, h, L_q, L_k).
+        `padding_to_attention_mask`, which broadcasts to (B, h, L_q, L_k). An empty ``lengths``
+        gives a (0, max_len) mask ((0, 0) without ``max_len``); a length of 0 gives a row of
+        False, a sequence that attention treats as "every key masked".
+
+    Raises:
+        InputTypeError: when ``lengths`` is not integers (floats, bools, strings, None) or
+            ``max_len`` is not an int.
+        ValueError: for a negative length, a ``lengths`` that is not 1-dim, or a ``max_len``
+            below the longest length.
     """
-    lengths = torch.as_tensor(lengths)
+    if isinstance(lengths, torch.Tensor):
+        require_data("lengths", lengths)
+    else:
+        try:
+            lengths = torch.as_tensor(lengths, dtype=None if len(lengths) else torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise InputTypeError(
+                f"lengths must be a list or tensor of ints, got {lengths!r} "
+                f"({type(lengths).__name__})"
+            ) from None
     require_rank("lengths", lengths, "(B,)", rank=1)
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(f"lengths must hold integers, got dtype {lengths.dtype}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise InputTypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
     if lengths.numel() and lengths.min() < 0:
         raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
     if max_len is None:
         max_len = int(lengths.max()) if lengths.numel() else 0
+    max_len = require_int("max_len", max_len, minimum=0)
     if lengths.numel() and int(lengths.max()) > max_len:
         raise ValueError(
             f"max_len={max_len} is shorter than the longest length {int(lengths.max())}"
@@ -114,10 +156,19 @@ def local_mask(
          [True,  True,  True,  False],
          [False, True,  True,  True ],
          [False, False, True,  True ]]
+
+    Args:
+        length: L, a positive int.
+        window: how far a query may look, an int >= 0 (0: each position sees only itself).
+        causal: only look back.
+        device: where to make the mask.
     """
-    _require_length("length", length)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be a non-negative int, got {window!r}")
+    length = require_int("length", length)
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool) and window < 0:
+        raise ValueError(f"window must be a non-negative int, got {window}")
+    window = require_int("window", window, minimum=0)
+    require_bool("causal", causal)
+    device = require_device("device", device)
     i = torch.arange(length, device=device)[:, None]
     j = torch.arange(length, device=device)[None, :]
     offset = i - j  # how far key j lies behind query i
@@ -145,13 +196,15 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     (pad))`` gives a (B, 1, L, L) mask.
 
     Raises:
-        ValueError: when a mask is not bool or the shapes do not broadcast together.
+        InputTypeError: when a mask is not a bool tensor, or the masks are on different devices.
+        ValueError: when the shapes do not broadcast together.
     """
     present = [m for m in masks if m is not None]
     if not present:
         return None
     for i, m in enumerate(present):
         _require_bool(f"mask {i}", m)
+    require_same_device(**{f"mask {i}": m for i, m in enumerate(present)})
     try:
         torch.broadcast_shapes(*(m.shape for m in present))
     except RuntimeError:
@@ -183,7 +236,7 @@ def from_key_padding_mask(key_padding_mask: torch.Tensor) -> torch.Tensor:
 
     Accepts PyTorch's bool form (True = ignore) and its float form (0 = keep, -inf = ignore).
     """
-    require_tensor("key_padding_mask", key_padding_mask)
+    _require_torch_mask("key_padding_mask", key_padding_mask)
     require_rank("key_padding_mask", key_padding_mask, "(B, L_k)", rank=2)
     if key_padding_mask.dtype == torch.bool:
         return ~key_padding_mask
@@ -209,8 +262,11 @@ def to_torch_attn_mask(
         0 / -inf in a float dtype.
     """
     _require_bool("mask", mask)
+    require_dtype("dtype", dtype)
     if dtype != torch.bool and not dtype.is_floating_point:
         raise ValueError(f"dtype must be torch.bool or a floating point dtype, got {dtype}")
+    if num_heads is not None:
+        num_heads = require_int("num_heads", num_heads)
 
     def convert(m: torch.Tensor) -> torch.Tensor:
         return ~m if dtype == torch.bool else to_additive_mask(m, dtype)
@@ -244,7 +300,9 @@ def from_torch_attn_mask(attn_mask: torch.Tensor, num_heads: int | None = None) 
     (L_q, L_k) or (B * h, L_q, L_k). With ``num_heads`` given, a 3-D mask comes back as
     (B, h, L_q, L_k); without it, it keeps its shape.
     """
-    require_tensor("attn_mask", attn_mask)
+    _require_torch_mask("attn_mask", attn_mask)
+    if num_heads is not None:
+        num_heads = require_int("num_heads", num_heads)
     if attn_mask.dim() not in (2, 3):
         raise ValueError(
             f"attn_mask must have shape (L_q, L_k) or (B*h, L_q, L_k), got {shape_str(attn_mask)}"
@@ -270,8 +328,7 @@ def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
     and exp(-inf) = 0 removes the key from the softmax. The shape is kept.
     """
     _require_bool("mask", mask)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+    require_dtype("dtype", dtype, floating=True)
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill(~mask, float("-inf"))
 
@@ -280,12 +337,14 @@ def from_additive_mask(mask: torch.Tensor) -> torch.Tensor:
     """An additive float mask (0.0 = allowed, -inf = not allowed) -> our bool mask.
 
     Raises:
-        ValueError: if the tensor holds other values: a finite non-zero entry is a bias on the
-            scores, not a mask, and has no bool equivalent.
+        InputTypeError: if ``mask`` is not a floating-point tensor, or has no values (meta).
+        ValueError: if the tensor holds other values (NaN, +inf, or a finite non-zero entry,
+            which is a bias on the scores, not a mask, and has no bool equivalent).
     """
     require_tensor("mask", mask)
     if not mask.dtype.is_floating_point:
-        raise ValueError(f"an additive mask must be a float tensor, got dtype {mask.dtype}")
+        raise InputTypeError(f"an additive mask must be a float tensor, got dtype {mask.dtype}")
+    require_data("mask", mask)
     blocked = torch.isneginf(mask)
     if not torch.all((mask == 0) | blocked):
         raise ValueError(
@@ -295,50 +354,73 @@ def from_additive_mask(mask: torch.Tensor) -> torch.Tensor:
     return ~blocked
 
 
+def _fits(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target``."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
 def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
                 name: str = "mask") -> torch.Tensor | None:
-    """Read a mask by the module's rule (see the module docstring) and make it 4-dimensional.
+    """Read a mask by the library's one rule and make it 4-dimensional.
+
+    The rule, the same for every attention module and every mask argument:
+
+    * 2 dims that fit (B, L_k): a key padding mask (True at real tokens), the same for every query
+      and every head;
+    * 2 dims that fit (L_q, L_k): one mask shared by the whole batch, such as `causal_mask`;
+    * 2 dims that fit both, which happens when B == L_q: ambiguous, a `ValueError` (write a
+      padding mask as ``mask[:, None, :]`` and a shared one as ``mask[None]``). When the first
+      dim is 1 (B == L_q == 1, or a (1, L_k) mask) the two readings give the same mask, and it is
+      accepted;
+    * 3 dims: broadcastable to (B, L_q, L_k), the same for every head;
+    * 4 dims: broadcastable to (B, h, L_q, L_k).
+
+    "Fit" means "broadcasts to": a (1, L_k) mask applies to every sequence and every query.
 
     Args:
-        mask: None, or a bool tensor, True = may attend, of shape (B, L_k) (key padding),
-            (L_q, L_k) (shared by the batch), something broadcastable to (B, L_q, L_k), or to
-            (B, h, L_q, L_k).
-        batch, l_q, l_k: B, L_q and L_k of the attention the mask is meant for.
+        mask: None, or a bool tensor, True = may attend, laid out as above.
+        batch, l_q, l_k: B, L_q and L_k of the attention the mask is meant for, ints >= 0.
         name: how the argument is called in error messages.
 
     Returns:
         None, or a bool tensor with 4 dims that broadcasts to (B, h, L_q, L_k) for any h:
         (B, 1, 1, L_k) for a padding mask, (1, 1, L_q, L_k) for a shared one, (B, 1, L_q, L_k)
-        for a 3-dim one; a 4-dim mask is returned as it is (the attention checks h).
+        for a 3-dim one (broadcast dims stay 1); a 4-dim mask is returned as it is (its h is
+        checked by the attention, which knows how many heads it has).
 
     Raises:
-        ValueError: for a mask that is not bool, has the wrong number of dims, does not fit
-            (B, L_q, L_k), or is 2-dim and fits both the padding and the shared reading.
+        InputTypeError: for a mask that is not a bool tensor, or sizes that are not ints.
+        ValueError: for a mask with the wrong number of dims, one that does not fit
+            (B, L_q, L_k), or a 2-dim one that fits both readings differently.
     """
+    batch = require_int("batch", batch, minimum=0)
+    l_q = require_int("l_q", l_q, minimum=0)
+    l_k = require_int("l_k", l_k, minimum=0)
     if mask is None:
         return None
-    require_tensor(name, mask)
-    if mask.dtype != torch.bool:
-        raise ValueError(
-            f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype} with shape "
-            f"{shape_str(mask)}; utils.masks converts PyTorch's other conventions"
-        )
+    _require_bool(name, mask)
+    accepted = (f"; {name} may be (B, L_k) padding, (L_q, L_k) shared, (B, L_q, L_k) or "
+                f"(B, h, L_q, L_k), with B={batch}, L_q={l_q}, L_k={l_k}")
     if mask.dim() == 2:
-        as_padding = tuple(mask.shape) == (batch, l_k)
-        as_shared = tuple(mask.shape) == (l_q, l_k)
-        if as_padding and as_shared:
+        as_padding = _fits(mask.shape, (batch, l_k))
+        as_shared = _fits(mask.shape, (l_q, l_k))
+        if as_padding and as_shared and mask.shape[0] != 1:
             raise ValueError(
                 f"{name} of shape {shape_str(mask)} is ambiguous because B = L_q = {batch}: it "
                 f"could be a (B, L_k) padding mask or an (L_q, L_k) mask shared by the batch. "
                 f"Write a padding mask as {name}[:, None, :] and a shared mask as {name}[None]"
             )
+        if as_shared:
+            return mask[None, None, :, :]  # (1, 1, L_q, L_k)
         if as_padding:
             return padding_to_attention_mask(mask)  # (B, 1, 1, L_k)
-        if as_shared:
-            return mask[None, None, :, :]
         raise ValueError(
             f"a 2-dim {name} must be a (B, L_k) = {shape_str((batch, l_k))} padding mask or an "
-            f"(L_q, L_k) = {shape_str((l_q, l_k))} mask shared by the batch, got {shape_str(mask)}"
+            f"(L_q, L_k) = {shape_str((l_q, l_k))} mask shared by the batch, got "
+            f"{shape_str(mask)}" + accepted
         )
     if mask.dim() == 3:
         target: tuple[int, ...] = (batch, l_q, l_k)
@@ -348,16 +430,10 @@ def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
         desc = "(B, h, L_q, L_k)"
     else:
         raise ValueError(
-            f"{name} must have 2, 3 or 4 dims ((B, L_k), (L_q, L_k), (B, L_q, L_k) or "
-            f"(B, h, L_q, L_k) with B={batch}, L_q={l_q}, L_k={l_k}), got {shape_str(mask)}"
+            f"{name} must have 2, 3 or 4 dims, got {shape_str(mask)}" + accepted
         )
-    try:
-        ok = tuple(torch.broadcast_shapes(mask.shape, target)) == tuple(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not _fits(mask.shape, target):
         raise ValueError(
-            f"{name} of shape {shape_str(mask)} does not broadcast to {desc} with B={batch}, "
-            f"L_q={l_q}, L_k={l_k}"
+            f"{name} of shape {shape_str(mask)} does not broadcast to {desc}" + accepted
         )
     return mask.unsqueeze(1) if mask.dim() == 3 else mask

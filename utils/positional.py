@@ -23,7 +23,21 @@ import math
 import torch
 from torch import nn
 
-from ._validation import require_rank, require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_floating,
+    require_int,
+    require_integer_ids,
+    require_like_module,
+    require_module_device,
+    require_probability,
+    require_rank,
+    require_real,
+    require_same_device,
+    require_tensor,
+    shape_str,
+)
 
 __all__ = [
     "sinusoidal_encoding",
@@ -37,23 +51,21 @@ __all__ = [
 ]
 
 
-def _require_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _require_even(name: str, value: object) -> int:
-    _require_positive_int(name, value)
+    """A positive even int: an odd width has a sine without its cosine, so it is refused."""
+    value = require_int(name, value)
     if value % 2 != 0:
         raise ValueError(f"{name} must be even (sines and cosines come in pairs), got {value}")
     return value
 
 
+def _require_base(base: object) -> float:
+    return require_real("base", base, low=0.0, low_open=True)
+
+
 def _frequencies(dim: int, base: float) -> torch.Tensor:
     """w_k = base^(-2k / dim) for k = 0 .. dim/2 - 1, float64, shape (dim / 2,)."""
-    if not base > 0:
-        raise ValueError(f"base must be positive, got {base!r}")
+    base = _require_base(base)
     k2 = torch.arange(0, dim, 2, dtype=torch.float64)
     return torch.exp(-math.log(base) * k2 / dim)
 
@@ -64,17 +76,21 @@ def sinusoidal_encoding(max_len: int, d_model: int, base: float = 10000.0) -> to
     PE[t, 2k] = sin(t * w_k) and PE[t, 2k + 1] = cos(t * w_k), with w_k = base^(-2k / d_model).
 
     Args:
-        max_len: number of positions.
-        d_model: width of each encoding; must be even.
-        base: the wavelength scale (10000 in the paper).
+        max_len: number of positions, a positive int.
+        d_model: width of each encoding, a positive even int (an odd width would leave the last
+            sine without its cosine, so it is refused rather than truncated).
+        base: the wavelength scale (10000 in the paper), a finite positive number.
 
     Returns:
         (max_len, d_model) float32 tensor; row t is the encoding of position t.
 
     Raises:
-        ValueError: if ``max_len`` is not positive or ``d_model`` is not positive and even.
+        InputTypeError: if ``max_len`` or ``d_model`` is not an int (2.5, True) or ``base`` is
+            not a number.
+        ValueError: if ``max_len`` is below 1, ``d_model`` is not positive and even, or ``base``
+            is not finite and positive.
     """
-    _require_positive_int("max_len", max_len)
+    max_len = require_int("max_len", max_len)
     _require_even("d_model", d_model)
     t = torch.arange(max_len, dtype=torch.float64)[:, None]
     w = _frequencies(d_model, base)
@@ -92,13 +108,18 @@ def sinusoidal_shift_matrix(offset: float, d_model: int, base: float = 10000.0) 
     In code: ``pe[t + k] == pe[t] @ sinusoidal_shift_matrix(k, d_model)`` for every t.
 
     Args:
-        offset: the shift k (any real number; negative shifts go back).
-        d_model: width of the encoding; must be even.
+        offset: the shift k (any finite real number; negative shifts go back).
+        d_model: width of the encoding, a positive even int.
         base: as in `sinusoidal_encoding`.
 
     Returns:
         (d_model, d_model) float64 tensor; it does not depend on t.
+
+    Raises:
+        InputTypeError, ValueError: for an offset that is not a finite number, or a bad
+            ``d_model`` or ``base`` (as in `sinusoidal_encoding`).
     """
+    offset = require_real("offset", offset)
     _require_even("d_model", d_model)
     w = _frequencies(d_model, base) * float(offset)
     c, s = torch.cos(w), torch.sin(w)
@@ -110,11 +131,19 @@ def sinusoidal_shift_matrix(offset: float, d_model: int, base: float = 10000.0) 
     return m
 
 
-def _require_sequence(name: str, x: object, d_model: int) -> torch.Tensor:
+def _require_sequence(name: str, x: object, d_model: int, max_len: int,
+                      rows: str) -> torch.Tensor:
+    """A floating (B, L, d_model) tensor with L <= max_len (``rows`` says what max_len counts)."""
     require_tensor(name, x)
     require_rank(name, x, "(B, L, d_model)", rank=3)
     if x.shape[-1] != d_model:
         raise ValueError(f"{name} must have shape (B, L, d_model={d_model}), got {shape_str(x)}")
+    require_floating(name, x)
+    if x.shape[1] > max_len:
+        raise ValueError(
+            f"{name} has L={x.shape[1]} positions but {rows.format(max_len=max_len)}: "
+            f"{name} is {shape_str(x)}"
+        )
     return x
 
 
@@ -124,30 +153,31 @@ class SinusoidalPositionalEncoding(nn.Module):
     The encoding is a buffer (saved with the model, never trained).
 
     Args:
-        d_model: embedding width; must be even.
-        max_len: the longest sequence it accepts.
-        dropout: dropout probability applied to the sum, as in the original Transformer.
+        d_model: embedding width, a positive even int.
+        max_len: the longest sequence it accepts, a positive int.
+        dropout: dropout probability applied to the sum, as in the original Transformer, in
+            [0, 1).
         base: as in `sinusoidal_encoding`.
 
     Shapes:
-        (B, L, d_model) -> (B, L, d_model), with L <= max_len.
+        (B, L, d_model) -> (B, L, d_model), with L <= max_len; x may have any floating dtype (the
+        encoding is cast to it) but must be on the module's device. L = 0 or B = 0 gives an
+        empty output; L > max_len raises a `ValueError` (there is no row for those positions).
     """
 
     def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0,
                  base: float = 10000.0):
         super().__init__()
-        self.d_model = d_model
-        self.max_len = max_len
-        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model, base), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        pe = sinusoidal_encoding(max_len, d_model, base)
+        self.d_model = int(d_model)
+        self.max_len = int(max_len)
+        self.register_buffer("pe", pe, persistent=False)
+        self.dropout = nn.Dropout(require_probability("dropout", dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _require_sequence("x", x, self.d_model)
-        if x.shape[1] > self.max_len:
-            raise ValueError(
-                f"x has L={x.shape[1]} positions but the encoding was built for max_len="
-                f"{self.max_len}: x is {shape_str(x)}"
-            )
+        _require_sequence("x", x, self.d_model, self.max_len,
+                          "the encoding was built for max_len={max_len}")
+        require_module_device("x", x, self)
         return self.dropout(x + self.pe[: x.shape[1]].to(x.dtype))
 
 
@@ -159,33 +189,30 @@ class LearnedPositionalEmbedding(nn.Module):
     their random initial values.
 
     Args:
-        max_len: number of positions it has a vector for.
-        d_model: embedding width.
-        init_std: standard deviation of the normal initialisation of the table.
+        max_len: number of positions it has a vector for, a positive int.
+        d_model: embedding width, a positive int.
+        init_std: standard deviation of the normal initialisation of the table, >= 0.
 
     Attributes:
         weight: the (max_len, d_model) table of position vectors.
 
     Shapes:
-        (B, L, d_model) -> (B, L, d_model), with L <= max_len.
+        (B, L, d_model) -> (B, L, d_model), with L <= max_len, in the dtype and on the device of
+        ``weight``. L = 0 or B = 0 gives an empty output; L > max_len raises a `ValueError`.
     """
 
     def __init__(self, max_len: int, d_model: int, init_std: float = 0.02):
         super().__init__()
-        _require_positive_int("max_len", max_len)
-        _require_positive_int("d_model", d_model)
-        self.max_len = max_len
-        self.d_model = d_model
-        self.weight = nn.Parameter(torch.randn(max_len, d_model) * init_std)
+        self.max_len = require_int("max_len", max_len)
+        self.d_model = require_int("d_model", d_model)
+        init_std = require_real("init_std", init_std, low=0.0)
+        self.weight = nn.Parameter(torch.randn(self.max_len, self.d_model) * init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _require_sequence("x", x, self.d_model)
-        if x.shape[1] > self.max_len:
-            raise ValueError(
-                f"x has L={x.shape[1]} positions but there are only max_len={self.max_len} "
-                f"learned position vectors: x is {shape_str(x)}"
-            )
-        return x + self.weight[: x.shape[1]].to(x.dtype)
+        _require_sequence("x", x, self.d_model, self.max_len,
+                          "there are only max_len={max_len} learned position vectors")
+        require_like_module("x", x, self)
+        return x + self.weight[: x.shape[1]]
 
 
 class TokenEmbedding(nn.Module):
@@ -196,29 +223,30 @@ class TokenEmbedding(nn.Module):
     that neither drowns the other when they are added.
 
     Args:
-        vocab_size: number of tokens.
-        d_model: embedding width.
+        vocab_size: number of tokens, a positive int.
+        d_model: embedding width, a positive int.
         scale: multiply by sqrt(d_model) (True, the paper's choice) or not.
 
     Shapes:
-        (B, L) integer ids -> (B, L, d_model).
+        (B, L) integer ids, each in [0, vocab_size), on the module's device -> (B, L, d_model).
+        Any shape of ids works (an empty one gives an empty output); an id outside the
+        vocabulary raises a `ValueError` naming the range found.
     """
 
     def __init__(self, vocab_size: int, d_model: int, scale: bool = True):
         super().__init__()
-        _require_positive_int("vocab_size", vocab_size)
-        _require_positive_int("d_model", d_model)
-        self.d_model = d_model
-        self.scale = math.sqrt(d_model) if scale else 1.0
-        self.embedding = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+        self.vocab_size = require_int("vocab_size", vocab_size)
+        self.d_model = require_int("d_model", d_model)
+        self.scale = math.sqrt(self.d_model) if require_bool("scale", scale) else 1.0
+        self.embedding = nn.Embedding(self.vocab_size, self.d_model)
+        nn.init.normal_(self.embedding.weight, std=self.d_model**-0.5)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         require_tensor("ids", ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(
-                f"ids must be an integer tensor of shape (B, L), got dtype {ids.dtype}"
-            )
+        require_module_device("ids", ids, self)
+        # A meta tensor has no values to range-check; its dtype is still checked.
+        vocab = None if ids.device.type == "meta" else self.vocab_size
+        require_integer_ids("ids", ids, vocab_size=vocab)
         return self.embedding(ids) * self.scale
 
 
@@ -226,16 +254,32 @@ def rope_angles(positions: torch.Tensor, dim: int, base: float = 10000.0) -> tor
     """The rotation angles of rotary position embedding: theta[..., t, k] = positions[..., t] * w_k.
 
     Args:
-        positions: (..., L) positions (integer or real).
-        dim: the width of the vectors to rotate; must be even.
+        positions: (..., L) positions, an integer or a real tensor with finite values.
+        dim: the width of the vectors to rotate, a positive even int.
         base: w_k = base^(-2k / dim), as in the sinusoidal encoding.
 
     Returns:
-        (..., L, dim / 2) float64 tensor of angles.
+        (..., L, dim / 2) float64 tensor of angles, on the device of ``positions``.
+
+    Raises:
+        InputTypeError: for positions that are not a real (integer or floating) tensor.
+        ValueError: for a bad ``dim`` or ``base``, or positions holding NaN or infinity.
     """
     _require_even("dim", dim)
+    _require_positions(positions)
+    return positions.to(torch.float64)[..., None] * _frequencies(dim, base).to(positions.device)
+
+
+def _require_positions(positions: object) -> torch.Tensor:
     require_tensor("positions", positions)
-    return positions.to(torch.float64)[..., None] * _frequencies(dim, base)
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise InputTypeError(
+            f"positions must be an integer or real tensor, got dtype {positions.dtype}"
+        )
+    if (positions.is_floating_point() and positions.device.type != "meta"
+            and not torch.isfinite(positions).all()):
+        raise ValueError(f"positions must be finite, got {positions.tolist()}")
+    return positions
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
@@ -254,13 +298,18 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
         base: the wavelength scale (10000 in the RoFormer paper).
 
     Returns:
-        A tensor of the same shape and dtype as ``x``.
+        A tensor of the same shape and dtype as ``x`` (empty when x is: L = 0 or B = 0).
 
     Raises:
-        ValueError: if x has fewer than 2 dims, an odd last dim, or positions of the wrong shape.
+        InputTypeError: if x is not a floating-point tensor, or positions are not a real tensor
+            on x's device.
+        ValueError: if x has fewer than 2 dims, an odd last dim, positions of the wrong shape or
+            with NaN, or a bad ``base``.
     """
     require_tensor("x", x)
     require_rank("x", x, "(..., L, d)", min_rank=2)
+    require_floating("x", x)
+    _require_base(base)
     length, d = x.shape[-2], x.shape[-1]
     if d % 2 != 0:
         raise ValueError(
@@ -269,7 +318,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
         )
     if positions is None:
         positions = torch.arange(length, device=x.device)
-    require_tensor("positions", positions)
+    _require_positions(positions)
+    require_same_device(x=x, positions=positions)
     if positions.dim() == 0 or positions.shape[-1] != length:
         raise ValueError(
             f"positions must have shape (L={length},) or (..., L={length}) to match x "
@@ -308,11 +358,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, base: float = 10000.0):
         super().__init__()
-        _require_even("dim", dim)
-        if not base > 0:
-            raise ValueError(f"base must be positive, got {base!r}")
-        self.dim = dim
-        self.base = base
+        self.dim = _require_even("dim", dim)
+        self.base = _require_base(base)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         require_tensor("x", x)
