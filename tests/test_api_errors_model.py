@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,7 +260,7 @@ FORWARD = [
         lambda: dec_layer()(X, torch.empty(2, 3, D, device="meta")), InputTypeError,
         "memory is on meta"),
     row("DecoderLayer memory of another batch size", lambda: dec_layer()(X, MEM[:1]), ValueError,
-        "x (2, 5, 8) and memory (1, 3, 8) must have the same batch size B"),
+        "memory (1, 3, 8) and x (2, 5, 8) must have the same batch size B"),
     row("DecoderLayer int memory_mask",
         lambda: dec_layer()(X, MEM, None, torch.ones(2, 3, dtype=torch.long)), InputTypeError,
         "memory_mask must be a bool tensor"),
@@ -273,7 +274,7 @@ FORWARD = [
     row("Transformer tgt on meta", lambda: transformer()(MEM, ON_META), InputTypeError,
         "tgt is on meta"),
     row("Transformer batch sizes differ", lambda: transformer()(MEM[:1], X), ValueError,
-        "must have the same batch size B"),
+        "src (1, 3, 8) and tgt (2, 5, 8) must have the same batch size B"),
     row("Transformer float src_mask", lambda: transformer()(MEM, X, torch.ones(2, 3)),
         InputTypeError, "src_mask must be a bool tensor"),
     row("Transformer.encode float64", lambda: transformer().encode(MEM.double()), InputTypeError,
@@ -590,7 +591,7 @@ DATA = [
     row("pad_sequences bools", lambda: pad_sequences([[True, False]]), InputTypeError,
         "seqs[0] must be a 1-dim sequence of integer token ids"),
     row("pad_sequences flat list", lambda: pad_sequences([1, 2]), InputTypeError,
-        "seqs[0] must be a sequence of integer token ids, got int"),
+        "seqs[0] must be a 1-dim sequence of integer token ids, got int"),
     row("pad_sequences pad=0.5", lambda: pad_sequences([[1]], pad=0.5), InputTypeError,
         "pad must be an int, got 0.5"),
     row("pad_sequences max_len=1.5", lambda: pad_sequences([[1]], max_len=1.5), InputTypeError,
@@ -714,6 +715,8 @@ DEGENERATE = [
     pytest.param(lambda: generate(CountingLM(), [], 3), _equal([]), id="generate no prompts"),
     pytest.param(lambda: generate(CountingLM(), torch.tensor([[1, 3]]), 3), _equal([[4, 5, 6]]),
                  id="generate a (B, L) tensor of prompts"),
+    pytest.param(lambda: generate(CountingLM(), [np.array([1, 3]), (7,)], 3),
+                 _equal([[4, 5, 6], [8, 9]]), id="generate NumPy and tuple prompts"),
     pytest.param(lambda: len(generate(lm(max_len=8), [[BOS] * 6], 3)[0]) <= 3, _equal(True),
                  id="generate exactly up to max_len"),
     pytest.param(lambda: greedy_decode(FakeSeq2Seq(), torch.zeros(0, 2, dtype=torch.long),
@@ -738,6 +741,8 @@ DEGENERATE = [
                  id="exact_match"),
     pytest.param(lambda: exact_match(torch.tensor([[1, 2]]), [[1, 2]]), _equal(1.0),
                  id="exact_match tensor rows"),
+    pytest.param(lambda: exact_match([np.array([1, 2]), (3,)], [[1, 2], [3]]), _equal(1.0),
+                 id="exact_match NumPy rows"),
     pytest.param(lambda: warmup_linear_decay(0, 0, 10), _equal(1.0), id="no warm-up"),
     pytest.param(lambda: warmup_linear_decay(12, 1, 10), _equal(0.0), id="after the end"),
     pytest.param(lambda: count_parameters(nn.ReLU()), _equal(0), id="count_parameters none"),
@@ -917,7 +922,7 @@ ACCEPTED = [
                                                          layer_norm_eps=1e-6, **F64),
                  (X64,), id=f"EncoderLayer-{name}-nf{nf}")
     for name, act in (("relu", "relu"), ("gelu", "gelu"), ("nn.GELU", nn.GELU()),
-                      ("nn.ReLU", nn.ReLU()))
+                      ("nn.ReLU", nn.ReLU()), ("torch.relu", torch.relu))
     for nf in (False, True)
 ] + [
     pytest.param(DecoderLayer, lambda act=act, nf=nf: tdl(activation=act, norm_first=nf,

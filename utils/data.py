@@ -31,6 +31,7 @@ import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._validation import InputTypeError, require_bool, require_int, type_name
@@ -63,17 +64,23 @@ def _require_lengths(min_len: object, max_len: object, least: int) -> tuple[int,
     return min_len, max_len
 
 
+def _is_sequence(value: object) -> bool:
+    """A list, tuple, tensor or NumPy array, not a string: something to read items from."""
+    return (isinstance(value, (Sequence, torch.Tensor, np.ndarray))
+            and not isinstance(value, (str, bytes)))
+
+
 def _require_sequence(name: str, value: object, what: str) -> Sequence:
     """``value`` must be a list, tuple or other sequence (not a string): ``what`` says of what."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if not _is_sequence(value):
         raise InputTypeError(f"{name} must be a list of {what}, got {type_name(value)}")
     return value
 
 
 def _as_ids(name: str, seq: object) -> torch.Tensor:
-    """One sequence of token ids (a list, tuple or 1-dim tensor of ints) as an int64 tensor."""
-    if isinstance(seq, (str, bytes)) or not isinstance(seq, (Sequence, torch.Tensor)):
-        raise InputTypeError(f"{name} must be a sequence of integer token ids, got "
+    """One sequence of token ids (a list, tuple, 1-dim tensor or array of ints) as int64."""
+    if not _is_sequence(seq) or getattr(seq, "ndim", 1) != 1:
+        raise InputTypeError(f"{name} must be a 1-dim sequence of integer token ids, got "
                              f"{type_name(seq)}")
     if len(seq) == 0:  # torch.as_tensor([]) would be float32; emptiness is checked later
         return torch.zeros(0, dtype=torch.long)
@@ -283,7 +290,7 @@ def _require_pairs(examples: object) -> None:
     if len(examples) == 0:
         raise ValueError("examples must hold at least one example, got none")
     for i, ex in enumerate(examples):
-        if isinstance(ex, (str, bytes)) or not isinstance(ex, Sequence) or len(ex) != 2:
+        if not _is_sequence(ex) or len(ex) != 2:
             raise InputTypeError(f"every example must be a pair (inputs, outputs) of id "
                                  f"sequences; examples[{i}] is {type_name(ex)}")
 

@@ -48,7 +48,7 @@ from ._validation import (
     shape_str,
     type_name,
 )
-from .data import BOS, EOS, PAD, _as_ids, pad_sequences
+from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
 
 __all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
 
@@ -184,13 +184,13 @@ def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         require_rank("prompts", prompts, "(B, L)", rank=2)
         require_integer_ids("prompts", prompts)
         prompts = list(prompts)
-    elif isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+    elif not _is_sequence(prompts):
         raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids, got "
                              f"{type_name(prompts)}")
     if len(prompts) == 0:
         return None
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, torch.Tensor)):
+        if not _is_sequence(p):
             raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids; "
                                  f"prompts[{i}] is {type_name(p)}")
     tokens, real = pad_sequences([_as_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)])

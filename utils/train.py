@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +32,7 @@ from ._validation import (
     shape_str,
     type_name,
 )
-from .data import PAD
+from .data import PAD, _is_sequence
 
 __all__ = [
     "History",
@@ -301,16 +302,14 @@ def _require_sequences(name: str, seqs: object) -> None:
     if isinstance(seqs, torch.Tensor):
         require_rank(name, seqs, "(N, L)", rank=2)
         return
-    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
+    if not _is_sequence(seqs):
         raise InputTypeError(f"{name} must be a list of sequences of token ids, got "
                              f"{type_name(seqs)}")
     for i, s in enumerate(seqs):
-        ok = (s.dim() == 1 if isinstance(s, torch.Tensor)
-              else isinstance(s, Sequence) and not isinstance(s, (str, bytes)))
-        if not ok:
+        if not _is_sequence(s) or getattr(s, "ndim", 1) != 1:
             raise InputTypeError(f"{name} must be a list of sequences of token ids; {name}[{i}] "
                                  f"is {type_name(s)}")
 
 
-def _ids(seq: Sequence[int] | torch.Tensor) -> list:
-    return seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
+def _ids(seq: Sequence[int] | torch.Tensor | np.ndarray) -> list:
+    return seq.tolist() if isinstance(seq, (torch.Tensor, np.ndarray)) else list(seq)

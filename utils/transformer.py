@@ -178,7 +178,7 @@ def _require_uniform_parameters(name: str, module: nn.Module) -> None:
 def _torch_activation(name: str, module: nn.Module) -> str:
     """'relu' or 'gelu' for a torch Transformer layer, or a ValueError for anything else."""
     act = getattr(module, "activation", F.relu)
-    if act is F.relu or isinstance(act, nn.ReLU):
+    if act is F.relu or act is torch.relu or isinstance(act, nn.ReLU):
         found = "relu"
     elif act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
         found = "gelu"
@@ -186,10 +186,11 @@ def _torch_activation(name: str, module: nn.Module) -> str:
         raise ValueError(
             f"{name}.activation must be relu or the exact gelu (approximate='none'), got {act!r}"
         )
-    # The encoder layer's fast path (eval mode, no autograd) reads this flag, not .activation:
-    # if someone swapped .activation after construction, torch's two paths disagree.
-    flag = getattr(module, "activation_relu_or_gelu", None)
-    if flag not in (None, {"relu": 1, "gelu": 2}[found]):
+    # The encoder layer's fast path (eval mode, no autograd) reads this flag, not .activation
+    # (0 turns the fast path off): if someone swapped .activation after construction, torch's
+    # two paths compute different functions.
+    flag = getattr(module, "activation_relu_or_gelu", 0)
+    if flag and flag != {"relu": 1, "gelu": 2}[found]:
         raise ValueError(
             f"{name}.activation is {found} but {name}.activation_relu_or_gelu={flag!r} makes "
             "torch's fast path use another one; build the layer with the activation you want"
@@ -513,12 +514,12 @@ class DecoderLayer(_Layer):
 
 
 def _check_decoder_inputs(module: nn.Module, x: object, memory: object, tgt_mask: object,
-                          memory_mask: object, x_name: str = "x"
+                          memory_mask: object, x_name: str = "x", memory_name: str = "memory"
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Check a decoder's inputs; return its two masks read by `utils.masks.expand_mask`."""
     _check_input(x_name, x, module, "(B, L_t, d_model)")
-    _check_input("memory", memory, module, "(B, L_s, d_model)")
-    _check_same_batch(x_name, x, "memory", memory)
+    _check_input(memory_name, memory, module, "(B, L_s, d_model)")
+    _check_same_batch(memory_name, memory, x_name, x)
     l_t, l_s = x.shape[1], memory.shape[1]
     return (_read_mask("tgt_mask", tgt_mask, x, l_t, l_t),
             _read_mask("memory_mask", memory_mask, x, l_t, l_s))
@@ -747,9 +748,9 @@ class Transformer(nn.Module):
         Returns:
             (B, L_t, d_model).
         """
-        _check_input("src", src, self, "(B, L_s, d_model)")
-        # Every argument is checked before the encoder runs: tgt against a memory of src's shape.
-        _check_decoder_inputs(self, tgt, src, tgt_mask, memory_mask, x_name="tgt")
+        # Every argument is checked before the encoder runs (the memory has src's shape).
+        _check_decoder_inputs(self, tgt, src, tgt_mask, memory_mask, x_name="tgt",
+                              memory_name="src")
         _read_mask("src_mask", src_mask, src, src.shape[1], src.shape[1])
         memory = self.encode(src, src_mask)
         return self.decode(tgt, memory, tgt_mask, memory_mask)
