@@ -17,14 +17,24 @@ padding masks in the book's bool convention: True = a real token (see `utils.mas
 Held-out data: ``task.sample(n, seed)`` draws ``n`` distinct examples, and ``task.batches(...,
 exclude=held_out)`` never yields an example whose input is in ``held_out``, so that a test set
 measures generalisation, not memory.
+
+Every count (lengths, sizes, ``n``, ``batch_size``, ``seed``, ``pad_to``) must be an int (not a
+bool, not a float such as 2.0) in its range, and token ids must be integers: anything else
+raises `ValueError`, or `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for
+a wrong type, when the function is called (``batches`` included, although it returns a lazy
+stream). Nothing is rounded or truncated in silence.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from ._validation import InputTypeError, require_bool, require_int, type_name
 
 __all__ = [
     "PAD",
@@ -45,10 +55,43 @@ PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _require_lengths(min_len: object, max_len: object, least: int) -> tuple[int, int]:
+    """``least <= min_len <= max_len``, both ints."""
+    min_len = require_int("min_len", min_len, minimum=least)
+    max_len = require_int("max_len", max_len, minimum=least)
+    if max_len < min_len:
+        raise ValueError(f"max_len must be >= min_len={min_len}, got {max_len}")
+    return min_len, max_len
+
+
+def _is_sequence(value: object) -> bool:
+    """A list, tuple, tensor or NumPy array, not a string: something to read items from."""
+    return (isinstance(value, (Sequence, torch.Tensor, np.ndarray))
+            and not isinstance(value, (str, bytes)))
+
+
+def _require_sequence(name: str, value: object, what: str) -> Sequence:
+    """``value`` must be a list, tuple or other sequence (not a string): ``what`` says of what."""
+    if not _is_sequence(value):
+        raise InputTypeError(f"{name} must be a list of {what}, got {type_name(value)}")
     return value
+
+
+def _as_ids(name: str, seq: object) -> torch.Tensor:
+    """One sequence of token ids (a list, tuple, 1-dim tensor or array of ints) as int64."""
+    if not _is_sequence(seq) or getattr(seq, "ndim", 1) != 1:
+        raise InputTypeError(f"{name} must be a 1-dim sequence of integer token ids, got "
+                             f"{type_name(seq)}")
+    if len(seq) == 0:  # torch.as_tensor([]) would be float32; emptiness is checked later
+        return torch.zeros(0, dtype=torch.long)
+    try:
+        t = torch.as_tensor(seq)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputTypeError(f"{name} must hold integer token ids, got {seq!r}") from None
+    if t.dim() != 1 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise InputTypeError(f"{name} must be a 1-dim sequence of integer token ids, got "
+                             f"{type_name(t)}")
+    return t.long()
 
 
 @dataclass(frozen=True)
@@ -56,12 +99,18 @@ class Vocab:
     """A token <-> id table whose first ids are the specials ``<pad>``, ``<bos>``, ``<eos>``.
 
     Args:
-        tokens: every token, specials first, no repeats.
+        tokens: every token (a string), specials first, no repeats; a list is stored as a
+            tuple.
     """
 
     tokens: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        _require_sequence("tokens", self.tokens, "token strings")
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        for i, t in enumerate(self.tokens):
+            if not isinstance(t, str):
+                raise InputTypeError(f"every token must be a str, got tokens[{i}] = {t!r}")
         if tuple(self.tokens[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"a Vocab must start with {SPECIALS}, got {tuple(self.tokens[:3])}")
         if len(set(self.tokens)) != len(self.tokens):
@@ -69,7 +118,11 @@ class Vocab:
 
     @classmethod
     def from_symbols(cls, symbols: Iterable[str]) -> Vocab:
-        """The specials followed by ``symbols``."""
+        """The specials followed by ``symbols``: strings, or one string whose characters are
+        the symbols (``"abc"``)."""
+        if not isinstance(symbols, Iterable):
+            raise InputTypeError(f"symbols must be an iterable of token strings, got "
+                                 f"{type_name(symbols)}")
         return cls(SPECIALS + tuple(symbols))
 
     def __len__(self) -> int:
@@ -80,10 +133,21 @@ class Vocab:
         return {t: i for i, t in enumerate(self.tokens)}
 
     def encode(self, tokens: Iterable[str]) -> list[int]:
-        """Token strings -> ids; raises `ValueError` on an unknown token."""
+        """Token strings -> ids; raises `ValueError` on an unknown token.
+
+        ``tokens`` is an iterable of strings, such as ``"3 9 1".split()``; a single string
+        raises `InputTypeError` rather than being read character by character. No tokens give
+        ``[]``.
+        """
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise InputTypeError(f"tokens must be an iterable of token strings (e.g. "
+                                 f"text.split()), got {type_name(tokens)}")
         index = self.index
         out = []
         for t in tokens:
+            if not isinstance(t, str):
+                raise InputTypeError(f"every token must be a str, got {t!r} "
+                                     f"({type(t).__name__})")
             if t not in index:
                 raise ValueError(f"unknown token {t!r}; the vocabulary is {self.tokens}")
             out.append(index[t])
@@ -91,11 +155,23 @@ class Vocab:
 
     def decode(self, ids: Iterable[int] | torch.Tensor, sep: str = " ",
                skip_specials: bool = True) -> str:
-        """Ids -> a readable string; stops at the first ``<eos>`` when ``skip_specials``."""
+        """Ids -> a readable string; stops at the first ``<eos>`` when ``skip_specials``.
+
+        ``ids`` is an iterable of ints (NumPy integers included) or a 0- or 1-dim integer
+        tensor; a float (even 3.0), a bool or an id outside [0, len(vocab)) raises. No ids give
+        ``""``.
+        """
+        if not isinstance(sep, str):
+            raise InputTypeError(f"sep must be a str, got {type_name(sep)}")
+        require_bool("skip_specials", skip_specials)
         if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
+            ids = _as_ids("ids", ids.reshape(-1) if ids.dim() == 0 else ids).tolist()
+        elif isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise InputTypeError(f"ids must be an iterable of integer ids, got {type_name(ids)}")
         words = []
         for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise InputTypeError(f"ids must be integers, got {i!r} ({type(i).__name__})")
             i = int(i)
             if not 0 <= i < len(self.tokens):
                 raise ValueError(f"id {i} is outside the vocabulary of size {len(self.tokens)}")
@@ -112,29 +188,35 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
     """Stack sequences of different lengths into one tensor, padding on the right.
 
     Args:
-        seqs: B sequences of token ids (lists, tuples or 1-D tensors), each non-empty.
-        pad: the id written after the end of each sequence.
-        max_len: the padded length; defaults to the longest sequence.
-        pad_to: pad to at least this many positions (when ``max_len`` is not given), e.g. to
-            give every batch of a task the same width.
+        seqs: B >= 1 sequences of integer token ids (lists, tuples or 1-D integer tensors), each
+            non-empty. Floats and bools raise rather than being truncated.
+        pad: the int written after the end of each sequence (any int, e.g. -100).
+        max_len: the padded length, a positive int; defaults to the longest sequence.
+        pad_to: pad to at least this many positions (an int >= 0; when ``max_len`` is not
+            given), e.g. to give every batch of a task the same width.
 
     Returns:
         ``(tokens, mask)``: tokens (B, max_len) int64, and mask (B, max_len) bool, True at real
         tokens and False at padding (the convention of `utils.masks.padding_mask`).
     """
+    _require_sequence("seqs", seqs, "sequences of token ids")
     if len(seqs) == 0:
         raise ValueError("seqs must hold at least one sequence, got none")
-    lengths = [len(s) for s in seqs]
+    if isinstance(pad, bool) or not isinstance(pad, numbers.Integral):
+        raise InputTypeError(f"pad must be an int, got {pad!r} ({type(pad).__name__})")
+    pad_to = require_int("pad_to", pad_to, minimum=0)
+    rows = [_as_ids(f"seqs[{i}]", s) for i, s in enumerate(seqs)]
+    lengths = [len(r) for r in rows]
     if min(lengths) == 0:
         raise ValueError(f"every sequence must be non-empty, got lengths {lengths}")
     longest = max(lengths)
     if max_len is None:
         max_len = max(longest, pad_to)
-    elif max_len < longest:
+    elif require_int("max_len", max_len) < longest:
         raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
-    tokens = torch.full((len(seqs), max_len), pad, dtype=torch.long)
-    for row, s in enumerate(seqs):
-        tokens[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    tokens = torch.full((len(rows), max_len), int(pad), dtype=torch.long)
+    for row, r in enumerate(rows):
+        tokens[row, : len(r)] = r
     mask = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
     return tokens, mask
 
@@ -162,7 +244,9 @@ class Seq2SeqBatch:
     def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
                    pad_to: int = 0) -> Seq2SeqBatch:
         """Build the batch from (source, target) pairs of ids without specials; source and
-        target are padded to at least ``pad_to`` positions (see `pad_sequences`)."""
+        target are padded to at least ``pad_to`` positions (see `pad_sequences`). An empty
+        list of pairs raises `ValueError`."""
+        _require_pairs(pairs)
         src, src_mask = pad_sequences([s for s, _ in pairs], pad_to=pad_to)
         tgt_in, tgt_mask = pad_sequences([[BOS, *t] for _, t in pairs], pad_to=pad_to)
         tgt_out, _ = pad_sequences([[*t, EOS] for _, t in pairs], pad_to=pad_to)
@@ -200,6 +284,17 @@ class MLMBatch:
     mask: torch.Tensor
 
 
+def _require_pairs(examples: object) -> None:
+    """``examples`` must be a non-empty list of pairs (two sequences each)."""
+    _require_sequence("examples", examples, "examples, each a pair of id sequences")
+    if len(examples) == 0:
+        raise ValueError("examples must hold at least one example, got none")
+    for i, ex in enumerate(examples):
+        if not _is_sequence(ex) or len(ex) != 2:
+            raise InputTypeError(f"every example must be a pair (inputs, outputs) of id "
+                                 f"sequences; examples[{i}] is {type_name(ex)}")
+
+
 class _Task:
     """Shared sampling machinery: distinct examples, and endless batches that avoid a held-out set.
 
@@ -230,28 +325,48 @@ class _Task:
     def _keys(examples: Iterable) -> set:
         return {tuple(e[0]) for e in examples}
 
+    def _exclude_keys(self, exclude: object) -> set:
+        """The keys of the examples in ``exclude``, or an error saying what was expected."""
+        if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Iterable):
+            raise InputTypeError(f"exclude must be a list of examples (as returned by sample()),"
+                                 f" got {type_name(exclude)}")
+        exclude = list(exclude)
+        if exclude:
+            _require_pairs(exclude)
+        return self._keys(exclude)
+
     def sample(self, n: int, seed: int, exclude: Iterable = ()) -> list:
         """``n`` distinct examples drawn with ``seed`` (for a held-out test set).
 
         Args:
-            n: how many.
-            seed: seed of the generator, so that the same call gives the same examples.
+            n: how many, a positive int.
+            seed: seed of the generator, an int >= 0, so that the same call gives the same
+                examples.
             exclude: examples (as returned by `sample`) whose inputs must not appear.
+
+        Raises:
+            ValueError: also when the task has fewer than ``n`` distinct examples left.
         """
-        _check_int("n", n, 1)
-        _check_int("seed", seed, 0)
+        n = require_int("n", n)
+        seed = require_int("seed", seed, minimum=0)
         g = torch.Generator().manual_seed(seed)
-        return self._draw_many(n, g, self._keys(exclude), distinct=True)
+        return self._draw_many(n, g, self._exclude_keys(exclude), distinct=True)
 
     def batches(self, batch_size: int, seed: int, exclude: Iterable = (),
                 pad_to: int = 0) -> Iterator:
         """An endless stream of fresh random batches, none containing an input in ``exclude``,
-        each padded to at least ``pad_to`` positions (see `pad_sequences`)."""
-        _check_int("batch_size", batch_size, 1)
-        _check_int("seed", seed, 0)
-        _check_int("pad_to", pad_to, 0)
+        each padded to at least ``pad_to`` positions (see `pad_sequences`).
+
+        The arguments (``batch_size`` a positive int, ``seed`` and ``pad_to`` ints >= 0) are
+        checked here, when the stream is made, not when the first batch is drawn.
+        """
+        batch_size = require_int("batch_size", batch_size)
+        seed = require_int("seed", seed, minimum=0)
+        pad_to = require_int("pad_to", pad_to, minimum=0)
+        return self._stream(batch_size, seed, self._exclude_keys(exclude), pad_to)
+
+    def _stream(self, batch_size: int, seed: int, keys: set, pad_to: int) -> Iterator:
         g = torch.Generator().manual_seed(seed)
-        keys = self._keys(exclude)
         while True:
             yield self.collate(self._draw_many(batch_size, g, keys, distinct=False), pad_to)
 
@@ -274,13 +389,12 @@ class ReversalTask(_Task):
 
     Args:
         min_len, max_len: the range of lengths, both included.
-        num_symbols: the alphabet size (at most 26); the symbols are ``"0"``... or ``"a"``...
+        num_symbols: the alphabet size, from 2 to 26; the symbols are ``"0"``... or ``"a"``...
     """
 
     def __init__(self, min_len: int = 3, max_len: int = 12, num_symbols: int = 10):
-        _check_int("min_len", min_len, 1)
-        _check_int("max_len", max_len, min_len)
-        _check_int("num_symbols", num_symbols, 2)
+        min_len, max_len = _require_lengths(min_len, max_len, 1)
+        num_symbols = require_int("num_symbols", num_symbols, minimum=2)
         if num_symbols > 26:
             raise ValueError(f"num_symbols must be at most 26, got {num_symbols}")
         self.min_len, self.max_len, self.num_symbols = min_len, max_len, num_symbols
@@ -295,7 +409,7 @@ class ReversalTask(_Task):
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> Seq2SeqBatch:
-        """(source, target) pairs -> a padded `Seq2SeqBatch`."""
+        """(source, target) pairs -> a padded `Seq2SeqBatch`; an empty list raises."""
         return Seq2SeqBatch.from_pairs(examples, pad_to)
 
 
@@ -316,9 +430,9 @@ class SortingTask(_Task):
 
     def __init__(self, min_len: int = 2, max_len: int = 8, num_digits: int = 10,
                  distinct: bool = False):
-        _check_int("min_len", min_len, 1)
-        _check_int("max_len", max_len, min_len)
-        _check_int("num_digits", num_digits, 2)
+        min_len, max_len = _require_lengths(min_len, max_len, 1)
+        num_digits = require_int("num_digits", num_digits, minimum=2)
+        require_bool("distinct", distinct)
         if num_digits > 10:
             raise ValueError(f"num_digits must be at most 10, got {num_digits}")
         if distinct and max_len > num_digits:
@@ -345,7 +459,10 @@ class SortingTask(_Task):
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> LMBatch:
-        """(prompt, answer) pairs -> an `LMBatch` whose targets score only the answers."""
+        """(prompt, answer) pairs -> an `LMBatch` whose targets score only the answers; an
+        empty list raises."""
+        _require_pairs(examples)
+        pad_to = require_int("pad_to", pad_to, minimum=0)
         full = [[*p, *a] for p, a in examples]
         tokens, real = pad_sequences(full, pad_to=pad_to + 1 if pad_to else 0)
         inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
@@ -371,8 +488,7 @@ class MissingDigitTask(_Task):
     MASK = "<mask>"
 
     def __init__(self, min_len: int = 4, max_len: int = 10):
-        _check_int("min_len", min_len, 2)
-        _check_int("max_len", max_len, min_len)
+        min_len, max_len = _require_lengths(min_len, max_len, 2)
         if max_len > 10:
             raise ValueError(f"max_len must be at most 10 (the digits 0-9), got {max_len}")
         self.min_len, self.max_len = min_len, max_len
@@ -395,7 +511,13 @@ class MissingDigitTask(_Task):
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> MLMBatch:
-        """(inputs, targets) pairs -> a padded `MLMBatch`."""
+        """(inputs, targets) pairs of equal lengths -> a padded `MLMBatch`; an empty list
+        raises."""
+        _require_pairs(examples)
+        for i, (x, y) in enumerate(examples):
+            if len(x) != len(y):
+                raise ValueError(f"examples[{i}] has {len(x)} inputs but {len(y)} targets; "
+                                 "they must be equally long")
         inputs, mask = pad_sequences([x for x, _ in examples], pad_to=pad_to)
         targets, _ = pad_sequences([y for _, y in examples], max_len=inputs.shape[1])
         return MLMBatch(inputs, targets, mask)

@@ -15,20 +15,76 @@ Models are used through these calls:
 * encoder-decoder: ``model.encode(src, src_mask) -> memory`` and
   ``model.decode(tgt, memory, src_mask) -> logits`` (B, L_t, V);
 * decoder-only: ``model(tokens) -> logits`` (B, L, V), causal.
+
+A model that has a ``max_len`` attribute (the models of `utils.models` do) is asked for no more
+positions than that: a request that would outgrow it raises before the first step.
+
+Every function checks its arguments before any work and raises `ValueError`, or
+`utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. The model
+is run in evaluation mode without autograd; the train/eval mode of each of its submodules and
+the grad mode are restored on every exit, an exception included.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ._validation import require_rank, require_tensor, shape_str
-from .data import BOS, EOS, PAD, pad_sequences
+from ._validation import (
+    InputTypeError,
+    eval_mode,
+    require_bool_mask,
+    require_floating,
+    require_int,
+    require_integer_ids,
+    require_rank,
+    require_real,
+    require_same_device,
+    require_tensor,
+    shape_str,
+    type_name,
+)
+from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
 
 __all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
+
+
+def _check_sampling(temperature: object, generator: object) -> float:
+    """``temperature`` a finite number >= 0; ``generator`` None or a `torch.Generator`."""
+    temperature = require_real("temperature", temperature, low=0.0)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputTypeError(f"generator must be a torch.Generator or None, got "
+                             f"{type_name(generator)}")
+    return temperature
+
+
+def _check_model(model: object, calls: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"model must be an nn.Module with {calls}, got {type_name(model)}")
+
+
+def _check_room(model: nn.Module, needed: int, what: str) -> None:
+    """Refuse, before any step, to feed ``model`` more positions than its ``max_len``."""
+    limit = getattr(model, "max_len", None)
+    if isinstance(limit, int) and needed > limit:
+        raise ValueError(f"{what} needs {needed} positions but the model takes at most "
+                         f"max_len={limit}")
+
+
+def _last_logits(logits: object, b: int, at: torch.Tensor | int) -> torch.Tensor:
+    """The (B, V) logits at position ``at`` (per row, or one for all) of the model's output."""
+    require_tensor("the model's output", logits)
+    require_rank("the model's output", logits, "(B, L, V)", rank=3)
+    if logits.shape[0] != b:
+        raise ValueError(f"the model's output must have batch size B={b}, got "
+                         f"{shape_str(logits)}")
+    if isinstance(at, int):
+        return logits[:, at]
+    return logits[torch.arange(b, device=logits.device), at]
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0,
@@ -36,65 +92,82 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
     """Pick one token per row from (B, V) logits: argmax when ``temperature == 0``, else sample.
 
     Args:
-        logits: (B, V) unnormalised scores for the next token.
-        temperature: 0 for greedy, or T > 0 to sample from softmax(logits / T).
+        logits: (B, V) floating-point unnormalised scores for the next token, V >= 1. A score
+            of -inf rules a token out; NaN or +inf, or a row with no finite score, raises
+            `ValueError` (argmax would pick an arbitrary token, sampling would fail inside
+            torch).
+        temperature: 0 for greedy, or a finite T > 0 to sample from softmax(logits / T).
         generator: the random generator for sampling (seed it for reproducible samples).
 
     Returns:
-        (B,) int64 token ids.
+        (B,) int64 token ids; B = 0 gives an empty tensor.
     """
     require_tensor("logits", logits)
     require_rank("logits", logits, "(B, V)", rank=2)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    require_floating("logits", logits)
+    temperature = _check_sampling(temperature, generator)
+    if logits.shape[1] == 0:
+        raise ValueError(f"logits must score at least one token (V >= 1), got "
+                         f"{shape_str(logits)}")
+    if torch.isnan(logits).any() or (logits == math.inf).any():
+        raise ValueError("logits must not contain NaN or +inf")
+    if not torch.isfinite(logits).any(dim=-1).all():
+        raise ValueError("every row of logits needs at least one finite score, got a row "
+                         "that is all -inf")
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
 def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, max_len: int,
                   temperature: float = 1.0, generator: torch.Generator | None = None,
                   bos: int = BOS, eos: int = EOS) -> list[list[int]]:
     """Decode a batch with an encoder-decoder model, one token at a time.
 
     Args:
-        model: has ``encode(src, src_mask)`` and ``decode(tgt, memory, src_mask)``.
-        src: (B, L_s) source ids.
-        src_mask: (B, L_s) bool, True at real source tokens.
-        max_len: the most tokens to produce per sequence (``<eos>`` included).
+        model: an ``nn.Module`` with ``encode(src, src_mask)`` and
+            ``decode(tgt, memory, src_mask)``.
+        src: (B, L_s) integer source ids.
+        src_mask: (B, L_s) bool, True at real source tokens, on ``src``'s device.
+        max_len: the most tokens to produce per sequence (``<eos>`` included), a positive int
+            (at most the model's ``max_len``, if it has one).
         temperature: 0 for greedy, T > 0 to sample.
         generator: the random generator for sampling.
-        bos, eos: the start and end tokens.
+        bos, eos: the start and end tokens, ints >= 0.
 
     Returns:
         B lists of ids: each output up to, not including, its ``<eos>`` (or ``max_len`` tokens
-        if it never produced one).
+        if it never produced one). An empty batch (B = 0) gives ``[]``.
     """
+    _check_model(model, "encode() and decode()")
     require_tensor("src", src)
     require_rank("src", src, "(B, L_s)", rank=2)
+    require_integer_ids("src", src)
     require_tensor("src_mask", src_mask)
-    if src_mask.shape != src.shape or src_mask.dtype != torch.bool:
+    require_bool_mask("src_mask", src_mask)
+    if src_mask.shape != src.shape:
         raise ValueError(f"src_mask must be a bool tensor of shape {shape_str(src)}, got "
                          f"{src_mask.dtype} {shape_str(src_mask)}")
-    if not isinstance(max_len, int) or max_len <= 0:
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-    was_training = model.training
-    model.eval()
+    require_same_device(src=src, src_mask=src_mask)
+    max_len = require_int("max_len", max_len)
+    temperature = _check_sampling(temperature, generator)
+    bos = require_int("bos", bos, minimum=0)
+    eos = require_int("eos", eos, minimum=0)
+    _check_room(model, max_len, f"max_len={max_len}")
     b = src.shape[0]
-    memory = model.encode(src, src_mask)
-    tgt = torch.full((b, 1), bos, dtype=torch.long, device=src.device)
-    done = torch.zeros(b, dtype=torch.bool, device=src.device)
-    for _ in range(max_len):
-        logits = model.decode(tgt, memory, src_mask)[:, -1]
-        tok = next_token(logits, temperature, generator)
-        tok = torch.where(done, torch.full_like(tok, PAD), tok)
-        tgt = torch.cat([tgt, tok[:, None]], dim=1)
-        done |= tok == eos
-        if done.all():
-            break
-    model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        memory = model.encode(src, src_mask)
+        tgt = torch.full((b, 1), bos, dtype=torch.long, device=src.device)
+        done = torch.zeros(b, dtype=torch.bool, device=src.device)
+        for _ in range(max_len):
+            logits = _last_logits(model.decode(tgt, memory, src_mask), b, -1)
+            tok = next_token(logits, temperature, generator)
+            tok = torch.where(done, torch.full_like(tok, PAD), tok)
+            tgt = torch.cat([tgt, tok[:, None]], dim=1)
+            done |= tok == eos
+            if done.all():
+                break
     return [_cut(row[1:].tolist(), eos) for row in tgt]
 
 
@@ -104,7 +177,28 @@ def greedy_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
     return sample_decode(model, src, src_mask, max_len, temperature=0.0, bos=bos, eos=eos)
 
 
-@torch.no_grad()
+def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Check the prompts and pad them into one (B, L) batch and its mask (see `generate`);
+    None when there are no prompts."""
+    if isinstance(prompts, torch.Tensor):
+        require_rank("prompts", prompts, "(B, L)", rank=2)
+        require_integer_ids("prompts", prompts)
+        prompts = list(prompts)
+    elif not _is_sequence(prompts):
+        raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids, got "
+                             f"{type_name(prompts)}")
+    if len(prompts) == 0:
+        return None
+    for i, p in enumerate(prompts):
+        if not _is_sequence(p):
+            raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids; "
+                                 f"prompts[{i}] is {type_name(p)}")
+    tokens, real = pad_sequences([_as_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)])
+    if int(tokens.min()) < 0:
+        raise ValueError(f"prompts must hold token ids >= 0, got {int(tokens.min())}")
+    return tokens, real
+
+
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, generator: torch.Generator | None = None,
              eos: int = EOS) -> list[list[int]]:
@@ -115,21 +209,32 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     the causal mask already hides every later position, padding included, from each position.
 
     Args:
-        model: ``model(tokens)`` -> (B, L, V) logits, causal.
-        prompts: B lists of ids (each non-empty, e.g. starting with ``<bos>``).
-        max_new_tokens: the most tokens to add per prompt (``<eos>`` included).
+        model: an ``nn.Module``, ``model(tokens)`` -> (B, L, V) logits, causal.
+        prompts: B prompts, each a non-empty list (or 1-dim tensor) of integer ids >= 0, e.g.
+            starting with ``<bos>``; or a (B, L) integer tensor of B prompts of length L.
+        max_new_tokens: the most tokens to add per prompt (``<eos>`` included), a positive int.
+            With a model that has ``max_len``, the longest prompt plus ``max_new_tokens - 1``
+            (the last token is never fed back) must fit in it.
         temperature: 0 for greedy, T > 0 to sample.
         generator: the random generator for sampling.
-        eos: the end token.
+        eos: the end token, an int >= 0.
 
     Returns:
-        B lists of the new ids, up to, not including, ``<eos>``.
+        B lists of the new ids, up to, not including, ``<eos>``. An empty list of prompts
+        gives ``[]``; an empty prompt raises (there is no last position to continue from).
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    _check_model(model, "forward(tokens)")
+    max_new_tokens = require_int("max_new_tokens", max_new_tokens)
+    temperature = _check_sampling(temperature, generator)
+    eos = require_int("eos", eos, minimum=0)
+    batch = _prompt_batch(prompts)
+    if batch is None:
+        return []
+    tokens, real = batch
+    _check_room(model, tokens.shape[1] + max_new_tokens - 1,
+                f"a prompt of {tokens.shape[1]} tokens and max_new_tokens={max_new_tokens}")
     # The batch is built where the model lives (the CPU for a model without parameters).
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
-    tokens, real = pad_sequences(prompts)
     tokens, real = tokens.to(device), real.to(device)
     lengths = real.sum(dim=1)
     b = tokens.shape[0]
@@ -137,19 +242,18 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                                            device=device)], dim=1)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    was_training = model.training
-    model.eval()
-    for _ in range(max_new_tokens):
-        width = int(lengths.max())
-        logits = model(tokens[:, :width])[rows, lengths - 1]  # (B, V) at each row's last token
-        tok = next_token(logits, temperature, generator)
-        live = ~done
-        tokens[rows[live], lengths[live]] = tok[live]
-        lengths = lengths + live.long()
-        done |= tok == eos
-        if done.all():
-            break
-    model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        for _ in range(max_new_tokens):
+            width = int(lengths.max())
+            # (B, V) at each row's last token
+            logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
+            tok = next_token(logits, temperature, generator)
+            live = ~done
+            tokens[rows[live], lengths[live]] = tok[live]
+            lengths = lengths + live.long()
+            done |= tok == eos
+            if done.all():
+                break
     start = real.sum(dim=1)
     return [_cut(tokens[i, start[i]: lengths[i]].tolist(), eos) for i in range(b)]
 

@@ -9,6 +9,15 @@
 None of them redefines attention, normalization or the feed-forward network: they only add what
 turns token ids into vectors (`InputEmbedding`) and vectors back into scores over the vocabulary.
 Every model's ``forward`` returns logits (B, L, V).
+
+Every entry point checks its arguments before doing any work. Token ids must be an int64 or
+int32 tensor (B, L) on the model's device, each id in [0, V), at most ``max_len`` positions; a
+padding mask must be a bool (B, L) tensor on the same device. A float or bool tensor, or a tensor
+on another device, raises `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`);
+a wrong shape or an id out of range raises `ValueError`, never an `IndexError` from inside
+``nn.Embedding``. Degenerate input has a defined result: an empty batch (B = 0) or empty
+sequences (L = 0) give empty logits (B, L, V), and a row whose tokens are all padding gives
+finite logits (its queries have no key to attend to: see `utils.transformer`).
 """
 
 from __future__ import annotations
@@ -16,34 +25,61 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import require_rank, require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_bool_mask,
+    require_int,
+    require_integer_ids,
+    require_rank,
+    require_same_device,
+    require_tensor,
+    shape_str,
+)
 from .masks import causal_mask
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
-from .transformer import Encoder, Transformer
+from .transformer import Encoder, Transformer, _check_input, _check_same_batch
 
 __all__ = ["InputEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
 
 
-def _check_tokens(name: str, tokens: object, vocab_size: int, max_len: int) -> torch.Tensor:
+def _check_tokens(name: str, tokens: object, embed: InputEmbedding) -> torch.Tensor:
+    """``tokens`` must be (B, L) int64/int32 ids in [0, V) on ``embed``'s device, L <= max_len."""
     require_tensor(name, tokens)
     require_rank(name, tokens, "(B, L)", rank=2)
+    require_integer_ids(name, tokens)
     if tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-    if tokens.shape[1] > max_len:
-        raise ValueError(f"{name} {shape_str(tokens)} is longer than max_len={max_len}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"{name} ids must lie in [0, {vocab_size}), got ids from "
+        raise InputTypeError(f"{name} must hold integer token ids as torch.long (or int32), got "
+                             f"dtype {tokens.dtype}")
+    device = embed.weight.device
+    if tokens.device != device:
+        raise InputTypeError(f"{name} is on {tokens.device} but the model is on {device}; move "
+                             f"them to one device ({name}.to('{device}'))")
+    if tokens.shape[1] > embed.max_len:
+        raise ValueError(f"{name} {shape_str(tokens)} is longer than max_len={embed.max_len}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= embed.vocab_size):
+        raise ValueError(f"{name} ids must lie in [0, {embed.vocab_size}), got ids from "
                          f"{int(tokens.min())} to {int(tokens.max())}")
     return tokens
 
 
-def _check_pad_mask(name: str, mask: torch.Tensor | None, tokens: torch.Tensor) -> None:
+def _check_pad_mask(name: str, mask: object, like: torch.Tensor,
+                    shape: tuple[int, ...] | None = None) -> None:
+    """``mask`` (None, or a bool tensor of ``shape``, default ``like``'s, on ``like``'s device)."""
     if mask is None:
         return
     require_tensor(name, mask)
-    if mask.dtype != torch.bool or mask.shape != tokens.shape:
-        raise ValueError(f"{name} must be a bool (B, L) padding mask of shape {shape_str(tokens)}"
-                         f", True at real tokens; got {mask.dtype} {shape_str(mask)}")
+    require_bool_mask(name, mask)
+    shape = tuple(like.shape) if shape is None else shape
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must be a bool (B, L) padding mask of shape {shape_str(shape)}"
+                         f", True at real tokens; got {shape_str(mask)}")
+    require_same_device(**{"the input": like, name: mask})
+
+
+def _causal(length: int, device: torch.device) -> torch.Tensor:
+    """The (1, L, L) causal mask, for any L >= 0 (`utils.masks.causal_mask` needs L >= 1)."""
+    return causal_mask(max(length, 1), device=device)[None, :length, :length]
 
 
 class InputEmbedding(nn.Module):
@@ -56,21 +92,25 @@ class InputEmbedding(nn.Module):
     weights).
 
     Args:
-        vocab_size: V, the number of token ids.
-        d_model: the width of the vectors (even).
-        max_len: the longest sequence the positional table covers.
+        vocab_size: V, the number of token ids, a positive int.
+        d_model: the width of the vectors, a positive int (even when ``positional``).
+        max_len: the longest sequence the positional table covers, a positive int.
         positional: add PE (False gives a model that cannot tell positions apart: the ablation
             of chapter 9).
 
     Shapes:
-        tokens (B, L) int -> (B, L, d_model).
+        tokens (B, L) int -> (B, L, d_model); B = 0 or L = 0 gives an empty output.
     """
 
     def __init__(self, vocab_size: int, d_model: int, max_len: int = 64, positional: bool = True):
         super().__init__()
-        if vocab_size <= 0 or d_model <= 0 or max_len <= 0:
-            raise ValueError(f"vocab_size, d_model and max_len must be positive, got "
-                             f"{vocab_size}, {d_model}, {max_len}")
+        vocab_size = require_int("vocab_size", vocab_size)
+        d_model = require_int("d_model", d_model)
+        max_len = require_int("max_len", max_len)
+        require_bool("positional", positional)
+        if positional and d_model % 2:
+            raise ValueError(f"d_model must be even for the sinusoidal positions (sines and "
+                             f"cosines come in pairs), got {d_model}")
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.positional = positional
         self.tokens = TokenEmbedding(vocab_size, d_model)
@@ -82,7 +122,8 @@ class InputEmbedding(nn.Module):
         return self.tokens.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        _check_tokens("tokens", tokens, self.vocab_size, self.max_len)
+        """(B, L) ids -> (B, L, d_model) vectors."""
+        _check_tokens("tokens", tokens, self)
         x = self.tokens(tokens)
         return x if self.positions is None else self.positions(x)
 
@@ -105,9 +146,16 @@ class _OutputHead(nn.Module):
         return self.proj(x)
 
 
-def _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first):
-    if d_model <= 0 or d_model % 2:
+def _stack_kwargs(d_model: object, nhead: object, dim_feedforward: object, dropout: object,
+                  activation: object, norm_first: object) -> dict[str, object]:
+    """The settings shared by the layers; d_model must be a positive even int (for the
+    sinusoidal positions). The rest is checked by the layers themselves."""
+    d_model = require_int("d_model", d_model)
+    if d_model % 2:
         raise ValueError(f"d_model must be positive and even, got {d_model}")
+    if dim_feedforward is not None:
+        require_int("dim_feedforward", dim_feedforward)
+    require_bool("norm_first", norm_first)
     return dict(d_model=d_model, nhead=nhead,
                 dim_feedforward=4 * d_model if dim_feedforward is None else dim_feedforward,
                 dropout=dropout, activation=activation, norm_first=norm_first)
@@ -127,7 +175,11 @@ class Seq2SeqTransformer(nn.Module):
         share_embeddings: source and target use one table (needs equal vocabularies).
 
     Shapes:
-        src (B, L_s), tgt (B, L_t) ids -> logits (B, L_t, tgt_vocab_size).
+        src (B, L_s), tgt (B, L_t) ids -> logits (B, L_t, tgt_vocab_size). L_t = 0 gives
+        empty logits; with a fully padded source, cross-attention gives just its bias b_O.
+
+    ``max_len`` is kept as an attribute: `utils.decoding` reads it to refuse, before decoding,
+    a request for more tokens than the model can take.
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 64,
@@ -138,6 +190,12 @@ class Seq2SeqTransformer(nn.Module):
                  share_embeddings: bool = False):
         super().__init__()
         kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
+        src_vocab_size = require_int("src_vocab_size", src_vocab_size)
+        tgt_vocab_size = require_int("tgt_vocab_size", tgt_vocab_size)
+        self.max_len = require_int("max_len", max_len)
+        for name, flag in (("positional", positional), ("tie_output", tie_output),
+                           ("share_embeddings", share_embeddings)):
+            require_bool(name, flag)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"share_embeddings needs equal vocabularies, got {src_vocab_size} "
                              f"and {tgt_vocab_size}")
@@ -151,7 +209,7 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The memory (B, L_s, d_model); ``src_mask`` (B, L_s) is True at real tokens."""
-        _check_tokens("src", src, self.src_embed.vocab_size, self.src_embed.max_len)
+        _check_tokens("src", src, self.src_embed)
         _check_pad_mask("src_mask", src_mask, src)
         pad = None if src_mask is None else src_mask[:, None, :]
         return self.transformer.encode(self.src_embed(src), pad)
@@ -163,14 +221,14 @@ class Seq2SeqTransformer(nn.Module):
         The decoder's self-attention is causal (and, with ``tgt_mask`` (B, L_t), ignores target
         padding); its cross-attention ignores source padding when ``src_mask`` is given.
         """
-        _check_tokens("tgt", tgt, self.tgt_embed.vocab_size, self.tgt_embed.max_len)
+        _check_tokens("tgt", tgt, self.tgt_embed)
         _check_pad_mask("tgt_mask", tgt_mask, tgt)
-        self_mask = causal_mask(tgt.shape[1], device=tgt.device)[None]  # (1, L_t, L_t)
+        _check_input("memory", memory, self.transformer, "(B, L_s, d_model)")
+        _check_same_batch("tgt", tgt, "memory", memory)
+        _check_pad_mask("src_mask", src_mask, memory, tuple(memory.shape[:2]))
+        self_mask = _causal(tgt.shape[1], tgt.device)  # (1, L_t, L_t)
         if tgt_mask is not None:
             self_mask = self_mask & tgt_mask[:, None, :]
-        if src_mask is not None and src_mask.shape != memory.shape[:2]:
-            raise ValueError(f"src_mask must have shape (B, L_s) = {shape_str(memory.shape[:2])},"
-                             f" got {shape_str(src_mask)}")
         cross = None if src_mask is None else src_mask[:, None, :]
         y = self.transformer.decode(self.tgt_embed(tgt), memory, self_mask, cross)
         return self.head(y)
@@ -178,6 +236,10 @@ class Seq2SeqTransformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
                 tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher forcing: logits (B, L_t, V) for every position of ``tgt`` at once."""
+        _check_tokens("src", src, self.src_embed)
+        _check_tokens("tgt", tgt, self.tgt_embed)
+        _check_same_batch("src", src, "tgt", tgt)
+        _check_pad_mask("tgt_mask", tgt_mask, tgt)
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
 
 
@@ -190,7 +252,11 @@ class DecoderOnlyLM(nn.Module):
     (``norm_first=True``) by default, as in GPT-2.
 
     Shapes:
-        tokens (B, L) -> logits (B, L, V); position t's logits score token t + 1.
+        tokens (B, L) -> logits (B, L, V); position t's logits score token t + 1. L = 0 gives
+        empty logits.
+
+    ``vocab_size`` and ``max_len`` are kept as attributes; `utils.decoding.generate` reads
+    ``max_len`` to refuse, before generating, more tokens than the model can take.
     """
 
     def __init__(self, vocab_size: int, d_model: int = 64, nhead: int = 4, num_layers: int = 2,
@@ -199,17 +265,19 @@ class DecoderOnlyLM(nn.Module):
                  tie_output: bool = True):
         super().__init__()
         kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
+        require_bool("tie_output", tie_output)
         self.d_model = d_model
         self.embed = InputEmbedding(vocab_size, d_model, max_len)
+        self.vocab_size, self.max_len = self.embed.vocab_size, self.embed.max_len
         self.blocks = Encoder(num_layers, final_norm=True, **kw)
         self.head = _OutputHead(self.embed, tie_output)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V). ``mask`` (B, L), True at real tokens, is optional: with right
         padding the causal mask already keeps every real token from seeing the padding."""
-        _check_tokens("tokens", tokens, self.embed.vocab_size, self.embed.max_len)
+        _check_tokens("tokens", tokens, self.embed)
         _check_pad_mask("mask", mask, tokens)
-        attn = causal_mask(tokens.shape[1], device=tokens.device)[None]  # (1, L, L)
+        attn = _causal(tokens.shape[1], tokens.device)  # (1, L, L)
         if mask is not None:
             attn = attn & mask[:, None, :]
         return self.head(self.blocks(self.embed(tokens), attn))
@@ -232,14 +300,16 @@ class EncoderOnlyMLM(nn.Module):
                  tie_output: bool = True):
         super().__init__()
         kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
+        require_bool("tie_output", tie_output)
         self.d_model = d_model
         self.embed = InputEmbedding(vocab_size, d_model, max_len)
+        self.vocab_size, self.max_len = self.embed.vocab_size, self.embed.max_len
         self.blocks = Encoder(num_layers, final_norm=norm_first, **kw)
         self.head = _OutputHead(self.embed, tie_output)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V); ``mask`` (B, L) is True at real tokens."""
-        _check_tokens("tokens", tokens, self.embed.vocab_size, self.embed.max_len)
+        _check_tokens("tokens", tokens, self.embed)
         _check_pad_mask("mask", mask, tokens)
         attn = None if mask is None else mask[:, None, :]
         return self.head(self.blocks(self.embed(tokens), attn))

@@ -8,17 +8,31 @@ the same seed, model initialisation and batches, it takes the same steps.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import require_rank, require_tensor, shape_str
-from .data import PAD
+from ._validation import (
+    InputTypeError,
+    eval_mode,
+    require_floating,
+    require_int,
+    require_integer_ids,
+    require_rank,
+    require_real,
+    require_same_device,
+    require_tensor,
+    shape_str,
+    type_name,
+)
+from .data import PAD, _is_sequence
 
 __all__ = [
     "History",
@@ -72,8 +86,16 @@ def warmup_linear_decay(step: int, warmup: int, total: int) -> float:
     Rises linearly from 1 / warmup to 1 over the first ``warmup`` steps, then falls linearly to
     0 at ``total``. Warm-up keeps Adam's first, badly estimated updates small; the decay lets the
     last steps settle.
+
+    Args:
+        step: an int >= 0; from ``total`` on the multiplier is 0.
+        warmup: an int from 0 (no warm-up) to ``total``.
+        total: a positive int.
     """
-    if warmup < 0 or total <= 0 or warmup > total:
+    step = require_int("step", step, minimum=0)
+    warmup = require_int("warmup", warmup, minimum=0)
+    total = require_int("total", total)
+    if warmup > total:
         raise ValueError(f"need 0 <= warmup <= total and total > 0, got warmup={warmup}, "
                          f"total={total}")
     if step < warmup:
@@ -97,69 +119,141 @@ def train(
     """Train ``model`` for ``steps`` updates of Adam and report the loss at fixed steps.
 
     Args:
-        model: the module to train (put in training mode here, in evaluation mode at the end).
+        model: the ``nn.Module`` to train (put in training mode here, in evaluation mode at the
+            end); it needs at least one parameter with ``requires_grad``.
         batches: an iterable of batches (e.g. ``task.batches(64, seed=0)``); one per step.
-        loss_fn: ``loss_fn(model, batch)`` -> scalar loss.
-        steps: the number of updates.
-        lr: the peak learning rate.
-        warmup: warm-up steps (default: a tenth of ``steps``).
-        report_every: report every this many steps (default: a fifth of ``steps``); the report
-            prints the mean loss since the last one, rounded to ``decimals``.
-        seed: seeds torch's global generator (dropout, if any) before the first step.
-        clip: clip the gradient's global norm to this (None: no clipping).
-        decimals: rounding of the printed losses (coarse, so that the printout is the same on
-            other machines, whose float sums may differ in the last bits).
-        print_fn: where reports go; None to stay silent.
+        loss_fn: ``loss_fn(model, batch)`` -> scalar floating-point loss tensor that depends on
+            the parameters.
+        steps: the number of updates, a positive int.
+        lr: the peak learning rate, a finite number > 0.
+        warmup: warm-up steps, an int from 0 to ``steps`` (default: a tenth of ``steps``).
+        report_every: report every this many steps, a positive int (default: a fifth of
+            ``steps``); the report prints the mean loss since the last one, rounded to
+            ``decimals``.
+        seed: seeds torch's global generator (dropout, if any) before the first step; an int
+            >= 0.
+        clip: clip the gradient's global norm to this finite number > 0 (None: no clipping).
+        decimals: rounding of the printed losses, an int >= 0 (coarse, so that the printout is
+            the same on other machines, whose float sums may differ in the last bits).
+        print_fn: where reports go (a callable); None to stay silent.
 
     Returns:
         A `History`.
+
+    Raises:
+        ValueError or InputTypeError: for a bad argument, before the first step. Once training
+            has started: a loss that is not a scalar floating-point tensor with a gradient
+            (raised at the first step, before any update), ``batches`` running out before
+            ``steps`` (raised after the updates made), and `FloatingPointError` for a loss
+            that is NaN or infinite. After an error the train/eval mode of every submodule
+            is put back as it was before the call (the updates already made stay). Autograd
+            is on during the loop even when the caller is inside ``torch.no_grad()``.
     """
-    if not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if lr <= 0:
-        raise ValueError(f"lr must be positive, got {lr}")
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    report_every = max(1, steps // 5) if report_every is None else report_every
-    if report_every <= 0:
-        raise ValueError(f"report_every must be positive, got {report_every}")
-    torch.manual_seed(seed)
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"model must be an nn.Module, got {type_name(model)}")
+    try:
+        batches = iter(batches)
+    except TypeError:
+        raise InputTypeError(f"batches must be an iterable of batches, got "
+                             f"{type_name(batches)}") from None
+    if not callable(loss_fn):
+        raise InputTypeError(f"loss_fn must be callable, got {type_name(loss_fn)}")
+    if print_fn is not None and not callable(print_fn):
+        raise InputTypeError(f"print_fn must be callable or None, got {type_name(print_fn)}")
+    steps = require_int("steps", steps)
+    lr = require_real("lr", lr, low=0.0, low_open=True)
+    warmup = max(1, steps // 10) if warmup is None else require_int("warmup", warmup, minimum=0)
+    if warmup > steps:
+        raise ValueError(f"warmup must be at most steps={steps}, got {warmup}")
+    report_every = (max(1, steps // 5) if report_every is None
+                    else require_int("report_every", report_every))
+    seed = require_int("seed", seed, minimum=0)
+    if clip is not None:
+        clip = require_real("clip", clip, low=0.0, low_open=True)
+    decimals = require_int("decimals", decimals, minimum=0)
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"model has no parameter with requires_grad=True to train "
+                         f"({type(model).__name__})")
+    torch.manual_seed(seed)
     opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-9)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_linear_decay(min(s, steps - 1), warmup, steps))
     history = History()
-    model.train()
     start = time.perf_counter()
     window: list[float] = []
     count = 0
-    for step, batch in enumerate(islice(batches, steps), start=1):
-        loss = loss_fn(model, batch)
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, got shape {shape_str(loss)}")
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"the loss became {value} at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip is not None:
-            nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        sched.step()
-        history.step_losses.append(value)
-        window.append(value)
-        count = step
-        if step % report_every == 0 or step == steps:
-            mean = sum(window) / len(window)
-            history.steps.append(step)
-            history.losses.append(mean)
-            window = []
-            if print_fn is not None:
-                print_fn(f"step {step:5d}   loss {mean:.{decimals}f}")
-    if count < steps:
-        raise ValueError(f"batches ran out after {count} of {steps} steps")
+    # eval_mode(..., enabled=False) changes nothing on entry and puts every submodule's mode
+    # back on exit: what an error leaves behind. Success ends in eval mode, below.
+    with eval_mode(model, enabled=False), torch.enable_grad():
+        model.train()
+        for step, batch in enumerate(islice(batches, steps), start=1):
+            loss = loss_fn(model, batch)
+            _check_loss(loss)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"the loss became {value} at step {step}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            sched.step()
+            history.step_losses.append(value)
+            window.append(value)
+            count = step
+            if step % report_every == 0 or step == steps:
+                mean = sum(window) / len(window)
+                history.steps.append(step)
+                history.losses.append(mean)
+                window = []
+                if print_fn is not None:
+                    print_fn(f"step {step:5d}   loss {mean:.{decimals}f}")
+        if count < steps:
+            raise ValueError(f"batches ran out after {count} of {steps} steps")
     history.seconds = time.perf_counter() - start
     model.eval()
     return history
+
+
+def _check_loss(loss: object) -> None:
+    """What ``loss_fn`` returns must be a scalar floating-point tensor with a gradient."""
+    if not isinstance(loss, torch.Tensor):
+        raise InputTypeError(f"loss_fn must return a scalar torch.Tensor, got {type_name(loss)}")
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar, got shape {shape_str(loss)}")
+    require_floating("the loss returned by loss_fn", loss)
+    if not loss.requires_grad:
+        raise ValueError("the loss returned by loss_fn does not require grad: it must be "
+                         "computed from the model's parameters, with autograd on")
+
+
+def _check_scored(logits: object, targets: object, ignore_index: object) -> torch.Tensor:
+    """Check the arguments of the token metrics; return the (B, L) mask of scored positions.
+
+    Raises unless ``logits`` is a floating (B, L, V) tensor, ``targets`` a (B, L) integer tensor
+    on the same device whose scored entries (those != ``ignore_index``) lie in [0, V), and at
+    least one position is scored.
+    """
+    require_tensor("logits", logits)
+    require_tensor("targets", targets)
+    require_rank("logits", logits, "(B, L, V)", rank=3)
+    require_floating("logits", logits)
+    if targets.shape != logits.shape[:2]:
+        raise ValueError(f"targets must have shape (B, L) = {shape_str(logits.shape[:2])}, got "
+                         f"{shape_str(targets)}")
+    require_integer_ids("targets", targets)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise InputTypeError(f"ignore_index must be an int, got {ignore_index!r} "
+                             f"({type(ignore_index).__name__})")
+    require_same_device(logits=logits, targets=targets)
+    scored = targets != ignore_index
+    if not scored.any():
+        raise ValueError("no position is scored: every target equals ignore_index "
+                         f"({ignore_index}), or the batch is empty ({shape_str(targets)})")
+    require_integer_ids(f"targets (where != ignore_index={ignore_index})", targets[scored],
+                        vocab_size=logits.shape[-1])
+    return scored
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
@@ -167,39 +261,73 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     """Mean cross-entropy over the positions whose target is not ``ignore_index``.
 
     Args:
-        logits: (B, L, V) unnormalised scores.
-        targets: (B, L) ids; ``ignore_index`` (``PAD``) marks positions without a loss.
+        logits: (B, L, V) floating-point unnormalised scores.
+        targets: (B, L) integer ids in [0, V), on ``logits``' device; ``ignore_index``
+            (``PAD``) marks positions without a loss.
+        ignore_index: an int (it may lie outside [0, V), such as torch's -100).
+
+    Returns:
+        A scalar tensor (with a gradient when ``logits`` has one). NaN or inf in ``logits``
+        give a NaN or inf loss, as they would anywhere.
+
+    Raises:
+        ValueError: when no position is scored (every target is ``ignore_index``, or B = 0 or
+            L = 0): a mean over nothing has no value, and torch would return NaN. Also for a
+            scored target outside [0, V) and for mismatched shapes; `InputTypeError` for
+            logits that are not floating point, targets that are not integers, or tensors on
+            different devices.
     """
-    require_tensor("logits", logits)
-    require_tensor("targets", targets)
-    require_rank("logits", logits, "(B, L, V)", rank=3)
-    if targets.shape != logits.shape[:2]:
-        raise ValueError(f"targets must have shape (B, L) = {shape_str(logits.shape[:2])}, got "
-                         f"{shape_str(targets)}")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=ignore_index)
+    _check_scored(logits, targets, ignore_index)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
+                           ignore_index=int(ignore_index))
 
 
 def token_accuracy(logits: torch.Tensor, targets: torch.Tensor,
                    ignore_index: int = PAD) -> float:
-    """The fraction of scored positions (target != ``ignore_index``) whose argmax is right."""
-    require_tensor("logits", logits)
-    require_rank("logits", logits, "(B, L, V)", rank=3)
-    if targets.shape != logits.shape[:2]:
-        raise ValueError(f"targets must have shape (B, L) = {shape_str(logits.shape[:2])}, got "
-                         f"{shape_str(targets)}")
-    scored = targets != ignore_index
-    if not scored.any():
-        raise ValueError("no position is scored: every target equals ignore_index")
+    """The fraction of scored positions (target != ``ignore_index``) whose argmax is right.
+
+    Arguments, and the errors they raise, as in `token_cross_entropy`: in particular a batch
+    with no scored position raises `ValueError` rather than dividing by zero.
+    """
+    scored = _check_scored(logits, targets, ignore_index)
     right = (logits.argmax(-1) == targets) & scored
     return right.sum().item() / scored.sum().item()
 
 
 def exact_match(predicted: Sequence[Sequence[int]], expected: Sequence[Sequence[int]]) -> float:
-    """The fraction of sequences predicted exactly (same tokens, same length)."""
+    """The fraction of sequences predicted exactly (same tokens, same length).
+
+    Args:
+        predicted, expected: equally many sequences of token ids (lists, tuples or 1-dim
+            tensors; a 2-dim tensor counts as its rows), at least one.
+
+    Raises:
+        ValueError: for different numbers of sequences, or none; `InputTypeError` when either
+            is not a list of sequences (a flat list of ids, a string, a generator).
+    """
+    for name, seqs in (("predicted", predicted), ("expected", expected)):
+        _require_sequences(name, seqs)
     if len(predicted) != len(expected):
         raise ValueError(f"got {len(predicted)} predictions for {len(expected)} expected sequences")
-    if not expected:
+    if len(expected) == 0:
         raise ValueError("expected must hold at least one sequence")
-    hits = sum(list(p) == list(e) for p, e in zip(predicted, expected, strict=True))
+    hits = sum(_ids(p) == _ids(e) for p, e in zip(predicted, expected, strict=True))
     return hits / len(expected)
+
+
+def _require_sequences(name: str, seqs: object) -> None:
+    """``seqs`` must be a sequence (or 2-dim tensor) of sequences (or 1-dim tensors)."""
+    if isinstance(seqs, torch.Tensor):
+        require_rank(name, seqs, "(N, L)", rank=2)
+        return
+    if not _is_sequence(seqs):
+        raise InputTypeError(f"{name} must be a list of sequences of token ids, got "
+                             f"{type_name(seqs)}")
+    for i, s in enumerate(seqs):
+        if not _is_sequence(s) or getattr(s, "ndim", 1) != 1:
+            raise InputTypeError(f"{name} must be a list of sequences of token ids; {name}[{i}] "
+                                 f"is {type_name(s)}")
+
+
+def _ids(seq: Sequence[int] | torch.Tensor | np.ndarray) -> list:
+    return seq.tolist() if isinstance(seq, (torch.Tensor, np.ndarray)) else list(seq)

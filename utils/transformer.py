@@ -28,6 +28,23 @@ forms, which are never ambiguous.
 
 PyTorch's own conventions are the opposite polarity (``src_key_padding_mask`` True = ignore,
 bool ``attn_mask`` True = not allowed, or float masks with -inf); `utils.masks` converts them.
+
+Checked input, and what degenerate input gives
+----------------------------------------------
+Every ``forward`` checks its arguments before computing anything and raises a `ValueError` for
+a wrong shape and an `utils._validation.InputTypeError` (both a `TypeError` and a `ValueError`)
+for a wrong type, dtype or device: inputs must be floating-point tensors with the module's
+dtype and on its device, masks bool tensors on the input's device. Valid but degenerate input
+has a defined result:
+
+* an empty batch (B = 0) or empty sequences (L = 0) give an empty output of the same shape;
+* a query with no key to attend to (every key masked, or an empty ``memory``) gets all-zero
+  attention weights: the weighted sum of the values is zero and the attention sublayer gives
+  just the output projection's bias b_O. The layer's output there is finite, never NaN (torch's
+  own layers give NaN in that case).
+
+``from_torch`` copies only what it can copy exactly (see `EncoderLayer.from_torch`): anything
+else is refused before a parameter is copied.
 """
 
 from __future__ import annotations
@@ -36,7 +53,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import require_rank, require_tensor, shape_str
+from ._validation import (
+    InputTypeError,
+    require_bool,
+    require_bool_mask,
+    require_choice,
+    require_int,
+    require_like_module,
+    require_probability,
+    require_rank,
+    require_real,
+    require_same_device,
+    require_tensor,
+    shape_str,
+)
 from .attention import MultiHeadAttention
 from .layers import LayerNorm, PositionwiseFeedForward
 from .masks import expand_mask
@@ -54,19 +84,32 @@ __all__ = [
     "encoder_layer_flops",
 ]
 
+ACTIVATION_CHOICES = ("relu", "gelu")
+
 
 # --------------------------------------------------------------------------------------------
 # Arguments and checks shared by every class
 # --------------------------------------------------------------------------------------------
 
-def _resolve_hparams(nhead: int | None, num_heads: int | None, dim_feedforward: int | None,
-                     d_ff: int | None, activation: str) -> tuple[int, int]:
-    """Accept torch's names (nhead, dim_feedforward) and the book's (num_heads, d_ff)."""
+def _resolve_hparams(d_model: object, nhead: object, num_heads: object, dim_feedforward: object,
+                     d_ff: object, dropout: object, activation: object, layer_norm_eps: object,
+                     norm_first: object) -> tuple[int, int, int]:
+    """Check a layer's settings; accept torch's names (nhead, dim_feedforward) and the book's
+    (num_heads, d_ff). Returns ``(d_model, heads, width)``."""
+    d_model = require_int("d_model", d_model)
     if nhead is None and num_heads is None:
         raise ValueError("give the number of heads as nhead (or its alias num_heads)")
+    if nhead is not None:
+        nhead = require_int("nhead", nhead)
+    if num_heads is not None:
+        num_heads = require_int("num_heads", num_heads)
     if nhead is not None and num_heads is not None and nhead != num_heads:
         raise ValueError(f"nhead={nhead} and num_heads={num_heads} disagree; give only one")
     heads = nhead if nhead is not None else num_heads
+    if dim_feedforward is not None:
+        dim_feedforward = require_int("dim_feedforward", dim_feedforward)
+    if d_ff is not None:
+        d_ff = require_int("d_ff", d_ff)
     if dim_feedforward is not None and d_ff is not None and dim_feedforward != d_ff:
         raise ValueError(
             f"dim_feedforward={dim_feedforward} and d_ff={d_ff} disagree; give only one"
@@ -74,40 +117,140 @@ def _resolve_hparams(nhead: int | None, num_heads: int | None, dim_feedforward: 
     width = dim_feedforward if dim_feedforward is not None else d_ff
     if width is None:
         width = 2048  # torch's default
-    if activation not in ("relu", "gelu"):
-        raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
-    return int(heads), int(width)
+    require_probability("dropout", dropout)
+    require_choice("activation", activation, ACTIVATION_CHOICES)
+    # eps = 0 would turn a constant input row into 0 / 0 = NaN.
+    require_real("layer_norm_eps", layer_norm_eps, low=0.0, low_open=True)
+    require_bool("norm_first", norm_first)
+    return d_model, heads, width
 
 
-def _check_dropout(dropout: float) -> None:
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-
-
-def _check_input(name: str, x: object, d_model: int, desc: str = "(B, L, d_model)") -> None:
+def _check_input(name: str, x: object, module: nn.Module, desc: str = "(B, L, d_model)") -> None:
+    """``x`` must be a (B, L, d_model) tensor with ``module``'s dtype and device."""
+    expected = desc.replace("d_model", f"d_model={module.d_model}")
     require_tensor(name, x)
-    require_rank(name, x, desc.replace("d_model", f"d_model={d_model}"), rank=3)
-    if x.shape[-1] != d_model:
-        raise ValueError(f"{name} must have shape {desc.replace('d_model', f'd_model={d_model}')},"
-                         f" got {shape_str(x)}")
+    require_rank(name, x, expected, rank=3)
+    if x.shape[-1] != module.d_model:
+        raise ValueError(f"{name} must have shape {expected}, got {shape_str(x)}")
+    require_like_module(name, x, module)
 
 
-def _torch_activation(module: nn.Module) -> str:
+def _check_same_batch(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{a_name} {shape_str(a)} and {b_name} {shape_str(b)} must have the same "
+                         "batch size B")
+
+
+def _read_mask(name: str, mask: object, x: torch.Tensor, l_q: int,
+               l_k: int) -> torch.Tensor | None:
+    """Check a mask's type, dtype and device against the input ``x``, then read it with
+    `utils.masks.expand_mask` (None stays None)."""
+    if mask is None:
+        return None
+    require_tensor(name, mask)
+    require_bool_mask(name, mask)
+    require_same_device(input=x, **{name: mask})
+    return expand_mask(mask, x.shape[0], l_q, l_k, name)
+
+
+# --------------------------------------------------------------------------------------------
+# What from_torch checks before it copies anything
+# --------------------------------------------------------------------------------------------
+
+def _require_module(name: str, module: object, cls: type[nn.Module]) -> None:
+    if not isinstance(module, cls):
+        raise InputTypeError(f"{name} must be an nn.{cls.__name__}, got {type(module).__name__}")
+
+
+def _require_uniform_parameters(name: str, module: nn.Module) -> None:
+    """Every parameter floating point, with one dtype on one device (else the copy would round
+    or move some of them)."""
+    kinds = sorted({(str(p.dtype), str(p.device)) for p in module.parameters()})
+    if len(kinds) > 1:
+        raise InputTypeError(
+            f"{name}'s parameters mix dtypes or devices ({', '.join(' on '.join(k) for k in kinds)}"
+            f"); convert it with {name}.to(dtype, device) first"
+        )
+    if any(not p.is_floating_point() for p in module.parameters()):
+        raise InputTypeError(f"{name}'s parameters must be floating point, got {kinds}")
+
+
+def _torch_activation(name: str, module: nn.Module) -> str:
     """'relu' or 'gelu' for a torch Transformer layer, or a ValueError for anything else."""
     act = getattr(module, "activation", F.relu)
-    if act is F.relu or isinstance(act, nn.ReLU):
-        return "relu"
-    if act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
-        return "gelu"
-    raise ValueError(f"only relu and (exact) gelu activations are supported, got {act!r}")
+    if act is F.relu or act is torch.relu or isinstance(act, nn.ReLU):
+        found = "relu"
+    elif act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+        found = "gelu"
+    else:
+        raise ValueError(
+            f"{name}.activation must be relu or the exact gelu (approximate='none'), got {act!r}"
+        )
+    # The encoder layer's fast path (eval mode, no autograd) reads this flag, not .activation
+    # (0 turns the fast path off): if someone swapped .activation after construction, torch's
+    # two paths compute different functions.
+    flag = getattr(module, "activation_relu_or_gelu", 0)
+    if flag and flag != {"relu": 1, "gelu": 2}[found]:
+        raise ValueError(
+            f"{name}.activation is {found} but {name}.activation_relu_or_gelu={flag!r} makes "
+            "torch's fast path use another one; build the layer with the activation you want"
+        )
+    return found
 
 
-def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
-    if src.bias is None:
-        raise ValueError("torch layers built with bias=False are not supported")
-    with torch.no_grad():
-        dst.weight.copy_(src.weight)
-        dst.bias.copy_(src.bias)
+def _torch_attention(name: str, attn: object, d_model: int) -> tuple[int, float]:
+    """Check an ``nn.MultiheadAttention`` of a torch layer; return its heads and dropout."""
+    _require_module(name, attn, nn.MultiheadAttention)
+    if not attn.batch_first:
+        raise ValueError(
+            f"{name} has batch_first=False, but the book's modules are batch first: the weights "
+            "would copy, yet the copy would read (L, B, d_model) inputs as (B, L, d_model). "
+            "Build the torch module with batch_first=True and load_state_dict(module.state_dict())"
+            " into it, then copy that"
+        )
+    if attn.embed_dim != d_model:
+        raise ValueError(f"{name}.embed_dim must be d_model={d_model}, got {attn.embed_dim}")
+    if not attn._qkv_same_embed_dim:
+        raise ValueError(f"{name} has kdim/vdim different from embed_dim, which is not supported")
+    if attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(f"{name} uses add_bias_kv or add_zero_attn, which are not supported")
+    if attn.in_proj_bias is None or attn.out_proj.bias is None:
+        raise ValueError(f"{name} has no bias (bias=False); the book's layers always have biases")
+    return attn.num_heads, float(attn.dropout)
+
+
+def _torch_linear(name: str, linear: object, in_features: int | None,
+                  out_features: int | None) -> nn.Linear:
+    _require_module(name, linear, nn.Linear)
+    for what, want, got in (("in_features", in_features, linear.in_features),
+                            ("out_features", out_features, linear.out_features)):
+        if want is not None and got != want:
+            raise ValueError(f"{name}.{what} must be {want}, got {got}")
+    if linear.bias is None:
+        raise ValueError(f"{name} has no bias (bias=False); the book's layers always have biases")
+    return linear
+
+
+def _torch_norm(name: str, norm: object, d_model: int) -> float:
+    """Check an ``nn.LayerNorm`` the book's `LayerNorm` can copy exactly; return its eps."""
+    _require_module(name, norm, nn.LayerNorm)
+    if tuple(norm.normalized_shape) != (d_model,):
+        raise ValueError(f"{name} must normalize over (d_model,) = ({d_model},), got "
+                         f"{tuple(norm.normalized_shape)}")
+    if norm.weight is None:
+        raise ValueError(f"{name} has no gain and bias (elementwise_affine=False); the book's "
+                         "LayerNorm always learns both")
+    if norm.bias is None:
+        raise ValueError(f"{name} has no bias (bias=False); the book's LayerNorm always has one")
+    return float(norm.eps)
+
+
+def _all_equal(what: str, values: dict[str, object]) -> object:
+    """The one value in ``values`` ({name: value}); a ValueError naming each if they differ."""
+    if len(set(values.values())) > 1:
+        listed = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise ValueError(f"{what} must be the same everywhere to be copied, got {listed}")
+    return next(iter(values.values()))
 
 
 def _like(new: nn.Module, module: nn.Module) -> nn.Module:
@@ -120,6 +263,12 @@ def _finish_copy(new: nn.Module, module: nn.Module) -> nn.Module:
     new = _like(new, module)
     new.train(module.training)
     return new
+
+
+def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
+    with torch.no_grad():
+        dst.weight.copy_(src.weight)
+        dst.bias.copy_(src.bias)
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,13 +284,15 @@ class _Layer(nn.Module):
     """
 
     cross_attention: bool
+    torch_cls: type[nn.Module]
 
     def __init__(self, d_model: int, nhead: int | None = None, dim_feedforward: int | None = None,
                  dropout: float = 0.1, activation: str = "relu", *, layer_norm_eps: float = 1e-5,
                  norm_first: bool = False, num_heads: int | None = None, d_ff: int | None = None):
         super().__init__()
-        heads, width = _resolve_hparams(nhead, num_heads, dim_feedforward, d_ff, activation)
-        _check_dropout(dropout)
+        d_model, heads, width = _resolve_hparams(d_model, nhead, num_heads, dim_feedforward,
+                                                 d_ff, dropout, activation, layer_norm_eps,
+                                                 norm_first)
         self.d_model = d_model
         self.nhead = heads
         self.dim_feedforward = width
@@ -160,13 +311,39 @@ class _Layer(nn.Module):
             self.dropout3 = nn.Dropout(dropout)
 
     @classmethod
-    def _from_torch(cls, module: nn.Module, torch_cls: type[nn.Module]) -> _Layer:
-        if not isinstance(module, torch_cls):
-            raise ValueError(f"expected nn.{torch_cls.__name__}, got {type(module).__name__}")
-        new = cls(module.self_attn.embed_dim, module.self_attn.num_heads,
-                  module.linear1.out_features, module.dropout.p, _torch_activation(module),
-                  layer_norm_eps=module.norm1.eps, norm_first=module.norm_first)
-        new = _like(new, module)
+    def _torch_config(cls, module: object, name: str = "module") -> dict[str, object]:
+        """Check that ``module`` can be copied exactly; return the constructor arguments."""
+        _require_module(name, module, cls.torch_cls)
+        _require_module(f"{name}.self_attn", module.self_attn, nn.MultiheadAttention)
+        d_model = module.self_attn.embed_dim
+        attn_names = ("self_attn", "multihead_attn") if cls.cross_attention else ("self_attn",)
+        heads, drops = {}, {}
+        for attn in attn_names:
+            heads[f"{name}.{attn}.num_heads"], drops[f"{name}.{attn}.dropout"] = _torch_attention(
+                f"{name}.{attn}", getattr(module, attn), d_model)
+        linear1 = _torch_linear(f"{name}.linear1", module.linear1, d_model, None)
+        _torch_linear(f"{name}.linear2", module.linear2, linear1.out_features, d_model)
+        norms = ("norm1", "norm2", "norm3") if cls.cross_attention else ("norm1", "norm2")
+        eps = {f"{name}.{n}.eps": _torch_norm(f"{name}.{n}", getattr(module, n), d_model)
+               for n in norms}
+        dropouts = ("dropout", "dropout1", "dropout2", "dropout3")[: len(norms) + 1]
+        for d in dropouts:
+            _require_module(f"{name}.{d}", getattr(module, d), nn.Dropout)
+            drops[f"{name}.{d}.p"] = float(getattr(module, d).p)
+        if not isinstance(module.norm_first, bool):
+            raise InputTypeError(f"{name}.norm_first must be True or False, got "
+                                 f"{module.norm_first!r}")
+        _require_uniform_parameters(name, module)
+        return dict(d_model=d_model, nhead=_all_equal("the number of heads", heads),
+                    dim_feedforward=linear1.out_features,
+                    dropout=_all_equal("the dropout probability", drops),
+                    activation=_torch_activation(name, module),
+                    layer_norm_eps=_all_equal("the LayerNorm eps", eps),
+                    norm_first=module.norm_first)
+
+    @classmethod
+    def _from_torch(cls, module: nn.Module) -> _Layer:
+        new = _like(cls(**cls._torch_config(module)), module)
         new.self_attn = MultiHeadAttention.from_torch(module.self_attn)
         if cls.cross_attention:
             new.cross_attn = MultiHeadAttention.from_torch(module.multihead_attn)
@@ -193,20 +370,28 @@ class EncoderLayer(_Layer):
         x = x + dropout2(ff(norm2(x)))
 
     Args:
-        d_model: width of the token vectors.
-        nhead: number of heads (``num_heads`` is accepted as an alias).
-        dim_feedforward: hidden width of the feed-forward network (alias ``d_ff``; default 2048).
+        d_model: width of the token vectors, a positive int.
+        nhead: number of heads, a positive int dividing ``d_model`` (``num_heads`` is accepted
+            as an alias).
+        dim_feedforward: hidden width of the feed-forward network, a positive int (alias
+            ``d_ff``; default 2048).
         dropout: dropout on the attention weights, inside the feed-forward network and on each
-            sublayer's output before the residual addition, as in torch (default 0.1).
+            sublayer's output before the residual addition, as in torch: a probability in
+            [0, 1) (default 0.1).
         activation: ``"relu"`` or ``"gelu"``.
-        layer_norm_eps: the LayerNorms' eps.
-        norm_first: pre-LN when True, post-LN when False.
+        layer_norm_eps: the LayerNorms' eps, a number > 0.
+        norm_first: pre-LN when True, post-LN when False (a bool).
+
+    A count that is not a positive int (``2.5``, ``True``, ``"2"``) raises; nothing is rounded.
 
     Shapes:
-        x (B, L, d_model) -> (B, L, d_model). ``mask``: see the module docstring.
+        x (B, L, d_model) -> (B, L, d_model). ``mask``: see the module docstring. B = 0 or
+        L = 0 gives an empty output; a query whose keys are all masked gets the attention's
+        bias b_O as the self-attention sublayer's output.
     """
 
     cross_attention = False
+    torch_cls = nn.TransformerEncoderLayer
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout1(self.self_attn(x, x, x, mask))
@@ -218,15 +403,15 @@ class EncoderLayer(_Layer):
         """Run the layer.
 
         Args:
-            x: (B, L, d_model).
+            x: (B, L, d_model), with the layer's dtype and device.
             mask: optional bool mask, True = may attend: a (B, L) padding mask, an (L, L) mask,
                 or one broadcastable to (B, L, L) or (B, h, L, L).
 
         Returns:
             (B, L, d_model).
         """
-        _check_input("x", x, self.d_model)
-        mask = expand_mask(mask, x.shape[0], x.shape[1], x.shape[1])
+        _check_input("x", x, self)
+        mask = _read_mask("mask", mask, x, x.shape[1], x.shape[1])
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), mask)
             x = x + self._ff_block(self.norm2(x))
@@ -239,11 +424,22 @@ class EncoderLayer(_Layer):
     def from_torch(cls, module: nn.TransformerEncoderLayer) -> EncoderLayer:
         """An `EncoderLayer` holding a copy of ``module``'s parameters and settings.
 
+        The copy has ``module``'s dtype, device and train/eval mode, and gives the same output
+        on the same input (to about 1e-6 in float32).
+
         Raises:
-            ValueError: for a module that is not an ``nn.TransformerEncoderLayer``, or one with
-                options this class does not have (``bias=False``, another activation).
+            InputTypeError: ``module`` is not an ``nn.TransformerEncoderLayer``, a submodule has
+                been replaced by another kind (an ``nn.RMSNorm`` for a norm, say), or its
+                parameters mix dtypes or devices.
+            ValueError: for everything this class cannot reproduce exactly: ``batch_first=False``
+                (the copy is batch first: it would read torch's (L, B, d_model) inputs the wrong
+                way round; rebuild the torch module with ``batch_first=True``), an activation
+                other than relu and the exact gelu, ``bias=False`` or a missing bias anywhere, a
+                LayerNorm without gain and bias, different eps in the two norms, different
+                dropout probabilities in different places, ``kdim``/``vdim``,
+                ``add_bias_kv``/``add_zero_attn``.
         """
-        return cls._from_torch(module, nn.TransformerEncoderLayer)
+        return cls._from_torch(module)
 
 
 class DecoderLayer(_Layer):
@@ -262,10 +458,13 @@ class DecoderLayer(_Layer):
     Arguments as in `EncoderLayer`.
 
     Shapes:
-        x (B, L_t, d_model), memory (B, L_s, d_model) -> (B, L_t, d_model).
+        x (B, L_t, d_model), memory (B, L_s, d_model) -> (B, L_t, d_model). With an empty
+        ``memory`` (L_s = 0) or a fully masked one, the cross-attention sublayer gives just its
+        output bias b_O.
     """
 
     cross_attention = True
+    torch_cls = nn.TransformerDecoderLayer
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.dropout1(self.self_attn(x, x, x, mask))
@@ -292,14 +491,7 @@ class DecoderLayer(_Layer):
         Returns:
             (B, L_t, d_model).
         """
-        _check_input("x", x, self.d_model, "(B, L_t, d_model)")
-        _check_input("memory", memory, self.d_model, "(B, L_s, d_model)")
-        if memory.shape[0] != x.shape[0]:
-            raise ValueError(f"x {shape_str(x)} and memory {shape_str(memory)} must have the same "
-                             "batch size B")
-        b, l_t, l_s = x.shape[0], x.shape[1], memory.shape[1]
-        tgt_mask = expand_mask(tgt_mask, b, l_t, l_t, "tgt_mask")
-        memory_mask = expand_mask(memory_mask, b, l_t, l_s, "memory_mask")
+        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), tgt_mask)
             x = x + self._ca_block(self.norm2(x), memory, memory_mask)
@@ -314,9 +506,23 @@ class DecoderLayer(_Layer):
     def from_torch(cls, module: nn.TransformerDecoderLayer) -> DecoderLayer:
         """A `DecoderLayer` holding a copy of ``module``'s parameters and settings.
 
-        torch's ``multihead_attn`` becomes ``cross_attn``.
+        torch's ``multihead_attn`` becomes ``cross_attn``. What is refused, and why, as in
+        `EncoderLayer.from_torch` (the three norms must share one eps, and both attentions
+        one number of heads).
         """
-        return cls._from_torch(module, nn.TransformerDecoderLayer)
+        return cls._from_torch(module)
+
+
+def _check_decoder_inputs(module: nn.Module, x: object, memory: object, tgt_mask: object,
+                          memory_mask: object, x_name: str = "x", memory_name: str = "memory"
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Check a decoder's inputs; return its two masks read by `utils.masks.expand_mask`."""
+    _check_input(x_name, x, module, "(B, L_t, d_model)")
+    _check_input(memory_name, memory, module, "(B, L_s, d_model)")
+    _check_same_batch(memory_name, memory, x_name, x)
+    l_t, l_s = x.shape[1], memory.shape[1]
+    return (_read_mask("tgt_mask", tgt_mask, x, l_t, l_t),
+            _read_mask("memory_mask", memory_mask, x, l_t, l_s))
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,7 +532,8 @@ class DecoderLayer(_Layer):
 class _Stack(nn.Module):
     """What `Encoder` and `Decoder` share: N layers and an optional final LayerNorm."""
 
-    layer_cls: type[nn.Module]
+    layer_cls: type[_Layer]
+    torch_cls: type[nn.Module]
 
     def __init__(self, num_layers: int, d_model: int, nhead: int | None = None,
                  dim_feedforward: int | None = None, dropout: float = 0.1,
@@ -334,9 +541,8 @@ class _Stack(nn.Module):
                  norm_first: bool = False, final_norm: bool = False,
                  num_heads: int | None = None, d_ff: int | None = None):
         super().__init__()
-        if not isinstance(num_layers, int) or num_layers <= 0:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        self.d_model = d_model
+        num_layers = require_int("num_layers", num_layers)
+        require_bool("final_norm", final_norm)
         self.num_layers = num_layers
         self.layers = nn.ModuleList(
             self.layer_cls(d_model, nhead, dim_feedforward, dropout, activation,
@@ -344,20 +550,51 @@ class _Stack(nn.Module):
                            num_heads=num_heads, d_ff=d_ff)
             for _ in range(num_layers)
         )
-        self.norm = LayerNorm(d_model, eps=layer_norm_eps) if final_norm else None
+        self.d_model = self.layers[0].d_model
+        self.norm = LayerNorm(self.d_model, eps=layer_norm_eps) if final_norm else None
 
     @classmethod
-    def _from_torch(cls, module: nn.Module, torch_cls: type[nn.Module]) -> _Stack:
-        if not isinstance(module, torch_cls):
-            raise ValueError(f"expected nn.{torch_cls.__name__}, got {type(module).__name__}")
-        if len(module.layers) == 0:
-            raise ValueError(f"the {type(module).__name__} has no layers to copy")
-        layers = [cls.layer_cls.from_torch(layer) for layer in module.layers]
-        first = layers[0]
-        new = cls(len(layers), first.d_model, first.nhead, first.dim_feedforward,
-                  first.dropout1.p, first.ff.activation, layer_norm_eps=first.norm1.eps,
-                  norm_first=first.norm_first, final_norm=module.norm is not None)
-        new.layers = nn.ModuleList(layers)
+    def _torch_config(cls, module: object, name: str = "module") -> dict[str, object]:
+        """Check that the torch stack ``module`` can be copied exactly; return the constructor
+        arguments of the copy."""
+        _require_module(name, module, cls.torch_cls)
+        layers = list(module.layers)
+        if not layers:
+            raise ValueError(f"the {type(module).__name__} {name} has no layers to copy")
+        configs = [cls.layer_cls._torch_config(layer, f"{name}.layers[{i}]")
+                   for i, layer in enumerate(layers)]
+        for i, config in enumerate(configs[1:], start=1):
+            for key, value in config.items():
+                if value != configs[0][key]:
+                    raise ValueError(
+                        f"{name}.layers[{i}] has {key}={value!r} but {name}.layers[0] has "
+                        f"{configs[0][key]!r}: {cls.__name__} needs every layer configured alike"
+                    )
+        own = sum(len(list(m.parameters())) for m in [*layers, module.norm] if m is not None)
+        if len(list(module.parameters())) != own:
+            raise ValueError(f"{name}'s layers share parameters; the copy would give each "
+                             "layer its own, untying them")
+        if module.norm is not None:
+            eps = _torch_norm(f"{name}.norm", module.norm, configs[0]["d_model"])
+            _all_equal("the LayerNorm eps", {f"{name}.norm.eps": eps,
+                                             f"{name}.layers[0].norm1.eps":
+                                                 configs[0]["layer_norm_eps"]})
+        # With nested tensors and mask_check=False, torch trusts without checking that padding
+        # sits at the end of each row; for any other padding mask its output is not the
+        # function the layers define, and no copy can reproduce it.
+        if getattr(module, "use_nested_tensor", False) and not getattr(module, "mask_check", True):
+            raise ValueError(
+                f"{name} uses nested tensors with mask_check=False: torch's output then depends "
+                "on an unchecked promise that padding is on the right. Build it with "
+                "mask_check=True or enable_nested_tensor=False"
+            )
+        _require_uniform_parameters(name, module)
+        return dict(num_layers=len(layers), **configs[0], final_norm=module.norm is not None)
+
+    @classmethod
+    def _from_torch(cls, module: nn.Module) -> _Stack:
+        new = cls(**cls._torch_config(module))
+        new.layers = nn.ModuleList(cls.layer_cls.from_torch(layer) for layer in module.layers)
         if module.norm is not None:
             new.norm = LayerNorm.from_torch(module.norm)
         return _finish_copy(new, module)
@@ -371,16 +608,17 @@ class Encoder(_Stack):
     stream leaves the last layer unnormalized.
 
     Args:
-        num_layers: N, the number of layers.
+        num_layers: N, the number of layers, a positive int.
         d_model, nhead (num_heads), dim_feedforward (d_ff), dropout, activation, layer_norm_eps,
             norm_first: as in `EncoderLayer`, the same for every layer.
         final_norm: add a LayerNorm after the last layer (default False, as in torch).
 
     Shapes:
-        x (B, L, d_model) -> (B, L, d_model).
+        x (B, L, d_model) -> (B, L, d_model); degenerate inputs as in `EncoderLayer`.
     """
 
     layer_cls = EncoderLayer
+    torch_cls = nn.TransformerEncoder
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run every layer, then the final norm if there is one.
@@ -389,26 +627,38 @@ class Encoder(_Stack):
             x: (B, L, d_model).
             mask: as in `EncoderLayer.forward`; read once and given to every layer.
         """
-        _check_input("x", x, self.d_model)
-        mask = expand_mask(mask, x.shape[0], x.shape[1], x.shape[1])
+        _check_input("x", x, self)
+        mask = _read_mask("mask", mask, x, x.shape[1], x.shape[1])
         for layer in self.layers:
             x = layer(x, mask)
         return x if self.norm is None else self.norm(x)
 
     @classmethod
     def from_torch(cls, module: nn.TransformerEncoder) -> Encoder:
-        """An `Encoder` holding copies of ``module``'s layers and its final norm (if any)."""
-        return cls._from_torch(module, nn.TransformerEncoder)
+        """An `Encoder` holding copies of ``module``'s layers and its final norm (if any).
+
+        Refused, besides what `EncoderLayer.from_torch` refuses in any layer: layers that differ
+        from one another in any setting, layers that share parameters, a final norm that is not
+        an affine ``nn.LayerNorm`` with the layers' eps, and ``mask_check=False`` together with
+        nested tensors (torch's output then depends on where the padding is).
+
+        With nested tensors on (torch's default), torch's fast path (eval mode, no autograd,
+        a ``src_key_padding_mask``) returns zeros at padded positions, where the copy computes
+        them as every other position: the real positions agree.
+        """
+        return cls._from_torch(module)
 
 
 class Decoder(_Stack):
     """A stack of `DecoderLayer`s, with an optional final LayerNorm (see `Encoder`).
 
     Shapes:
-        x (B, L_t, d_model), memory (B, L_s, d_model) -> (B, L_t, d_model).
+        x (B, L_t, d_model), memory (B, L_s, d_model) -> (B, L_t, d_model); degenerate inputs
+        as in `DecoderLayer`.
     """
 
     layer_cls = DecoderLayer
+    torch_cls = nn.TransformerDecoder
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,22 +666,18 @@ class Decoder(_Stack):
 
         Masks as in `DecoderLayer.forward`.
         """
-        _check_input("x", x, self.d_model, "(B, L_t, d_model)")
-        _check_input("memory", memory, self.d_model, "(B, L_s, d_model)")
-        if memory.shape[0] != x.shape[0]:
-            raise ValueError(f"x {shape_str(x)} and memory {shape_str(memory)} must have the same "
-                             "batch size B")
-        b, l_t, l_s = x.shape[0], x.shape[1], memory.shape[1]
-        tgt_mask = expand_mask(tgt_mask, b, l_t, l_t, "tgt_mask")
-        memory_mask = expand_mask(memory_mask, b, l_t, l_s, "memory_mask")
+        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask)
         for layer in self.layers:
             x = layer(x, memory, tgt_mask, memory_mask)
         return x if self.norm is None else self.norm(x)
 
     @classmethod
     def from_torch(cls, module: nn.TransformerDecoder) -> Decoder:
-        """A `Decoder` holding copies of ``module``'s layers and its final norm (if any)."""
-        return cls._from_torch(module, nn.TransformerDecoder)
+        """A `Decoder` holding copies of ``module``'s layers and its final norm (if any).
+
+        Refused as in `Encoder.from_torch` (with `DecoderLayer.from_torch` for each layer).
+        """
+        return cls._from_torch(module)
 
 
 class Transformer(nn.Module):
@@ -444,10 +690,11 @@ class Transformer(nn.Module):
     Args:
         d_model, nhead (num_heads), dim_feedforward (d_ff), dropout, activation,
             layer_norm_eps, norm_first: as in `EncoderLayer`; torch's defaults.
-        num_encoder_layers, num_decoder_layers: the depth of each stack.
+        num_encoder_layers, num_decoder_layers: the depth of each stack, positive ints.
 
     Shapes:
-        src (B, L_s, d_model), tgt (B, L_t, d_model) -> (B, L_t, d_model).
+        src (B, L_s, d_model), tgt (B, L_t, d_model) -> (B, L_t, d_model). With an empty
+        source (L_s = 0) or a fully masked one, each cross-attention gives just its bias b_O.
     """
 
     def __init__(self, d_model: int = 512, nhead: int | None = None, num_encoder_layers: int = 6,
@@ -457,13 +704,15 @@ class Transformer(nn.Module):
         super().__init__()
         if nhead is None and num_heads is None:
             nhead = 8  # torch's default
+        require_int("num_encoder_layers", num_encoder_layers)
+        require_int("num_decoder_layers", num_decoder_layers)
         kwargs = dict(layer_norm_eps=layer_norm_eps, norm_first=norm_first, final_norm=True,
                       num_heads=num_heads, d_ff=d_ff)
         self.encoder = Encoder(num_encoder_layers, d_model, nhead, dim_feedforward, dropout,
                                activation, **kwargs)
         self.decoder = Decoder(num_decoder_layers, d_model, nhead, dim_feedforward, dropout,
                                activation, **kwargs)
-        self.d_model = d_model
+        self.d_model = self.encoder.d_model
         self.nhead = self.encoder.layers[0].nhead
         for p in self.parameters():
             if p.dim() > 1:
@@ -471,12 +720,14 @@ class Transformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder's output (the ``memory``), (B, L_s, d_model)."""
+        _check_input("src", src, self, "(B, L_s, d_model)")
         return self.encoder(src, src_mask)
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor,
                tgt_mask: torch.Tensor | None = None,
                memory_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's output for ``tgt`` given an encoded ``memory``, (B, L_t, d_model)."""
+        _check_decoder_inputs(self, tgt, memory, tgt_mask, memory_mask, x_name="tgt")
         return self.decoder(tgt, memory, tgt_mask, memory_mask)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
@@ -497,26 +748,37 @@ class Transformer(nn.Module):
         Returns:
             (B, L_t, d_model).
         """
-        _check_input("src", src, self.d_model, "(B, L_s, d_model)")
-        _check_input("tgt", tgt, self.d_model, "(B, L_t, d_model)")
-        if src.shape[0] != tgt.shape[0]:
-            raise ValueError(f"src {shape_str(src)} and tgt {shape_str(tgt)} must have the same "
-                             "batch size B")
+        # Every argument is checked before the encoder runs (the memory has src's shape).
+        _check_decoder_inputs(self, tgt, src, tgt_mask, memory_mask, x_name="tgt",
+                              memory_name="src")
+        _read_mask("src_mask", src_mask, src, src.shape[1], src.shape[1])
         memory = self.encode(src, src_mask)
         return self.decode(tgt, memory, tgt_mask, memory_mask)
 
     @classmethod
     def from_torch(cls, module: nn.Transformer) -> Transformer:
-        """A `Transformer` holding copies of ``module``'s encoder and decoder."""
-        if not isinstance(module, nn.Transformer):
-            raise ValueError(f"expected nn.Transformer, got {type(module).__name__}")
-        enc = Encoder.from_torch(module.encoder)
-        dec = Decoder.from_torch(module.decoder)
-        first = enc.layers[0]
-        new = cls(first.d_model, first.nhead, 1, 1, first.dim_feedforward, first.dropout1.p,
-                  first.ff.activation, layer_norm_eps=first.norm1.eps,
-                  norm_first=first.norm_first)
-        new.encoder, new.decoder = enc, dec
+        """A `Transformer` holding copies of ``module``'s encoder and decoder.
+
+        Refused, besides what `Encoder.from_torch` and `Decoder.from_torch` refuse: a custom
+        encoder or decoder that is not a torch stack, one without a final norm, and an encoder
+        and a decoder whose layers differ in any setting (one `Transformer` has one).
+        """
+        _require_module("module", module, nn.Transformer)
+        enc = Encoder._torch_config(module.encoder, "module.encoder")
+        dec = Decoder._torch_config(module.decoder, "module.decoder")
+        for name, config in (("encoder", enc), ("decoder", dec)):
+            if not config["final_norm"]:
+                raise ValueError(f"module.{name} has no final norm, which a Transformer always "
+                                 f"has; copy it alone with {name.capitalize()}.from_torch")
+        for key, value in enc.items():
+            if key != "num_layers" and dec[key] != value:
+                raise ValueError(f"module.encoder has {key}={value!r} but module.decoder has "
+                                 f"{dec[key]!r}: a Transformer uses one configuration for both")
+        new = cls(enc["d_model"], enc["nhead"], 1, 1, enc["dim_feedforward"], enc["dropout"],
+                  enc["activation"], layer_norm_eps=enc["layer_norm_eps"],
+                  norm_first=enc["norm_first"])
+        new.encoder = Encoder.from_torch(module.encoder)
+        new.decoder = Decoder.from_torch(module.decoder)
         return _finish_copy(new, module)
 
 
@@ -525,7 +787,13 @@ class Transformer(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
-    """The number of scalars in ``module``'s parameters, each shared tensor counted once."""
+    """The number of scalars in ``module``'s parameters, each shared tensor counted once.
+
+    A module without parameters gives 0; ``trainable_only=True`` counts only those with
+    ``requires_grad``.
+    """
+    _require_module("module", module, nn.Module)
+    require_bool("trainable_only", trainable_only)
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
@@ -546,18 +814,23 @@ def transformer_param_breakdown(d_model: int, nhead: int, d_ff: int, num_encoder
       embedding, the target embedding and the output projection, as the paper does; ``tied=False``
       counts three separate matrices (the output projection without a bias).
 
+    ``d_model``, ``nhead`` (dividing ``d_model``) and ``d_ff`` are positive ints; the layer
+    counts and ``vocab_size`` are ints >= 0 (0 counts nothing for that part; the two final
+    norms are always counted). Anything else raises.
+
     Returns:
         ``{"embeddings", "attention", "feed_forward", "layer_norm"}`` counts; their sum is
         `transformer_param_count`.
     """
-    for name, v in (("d_model", d_model), ("nhead", nhead), ("d_ff", d_ff)):
-        if v <= 0:
-            raise ValueError(f"{name} must be positive, got {v}")
+    d_model, nhead, d_ff = (require_int(n, v) for n, v in
+                            (("d_model", d_model), ("nhead", nhead), ("d_ff", d_ff)))
     if d_model % nhead != 0:
         raise ValueError(f"d_model={d_model} must be divisible by nhead={nhead}")
-    if num_encoder_layers < 0 or num_decoder_layers < 0 or vocab_size < 0:
-        raise ValueError("layer counts and vocab_size must be non-negative, got "
-                         f"{num_encoder_layers}, {num_decoder_layers}, {vocab_size}")
+    num_encoder_layers, num_decoder_layers, vocab_size = (
+        require_int(n, v, minimum=0) for n, v in (("num_encoder_layers", num_encoder_layers),
+                                                 ("num_decoder_layers", num_decoder_layers),
+                                                 ("vocab_size", vocab_size)))
+    require_bool("tied", tied)
     d = d_model
     attn_block = 4 * d * d + 4 * d
     ffn = 2 * d * d_ff + d_ff + d
@@ -591,11 +864,10 @@ def encoder_layer_flops(seq_len: int, d_model: int, d_ff: int) -> dict[str, int]
     * ``feed_forward``: two products, 2 * 2 L d d_ff = 4 L d d_ff, linear in L.
 
     Softmax, LayerNorm, biases and activations are left out: they cost O(L d) or O(L^2 h), small
-    next to these.
+    next to these. Every argument is a positive int.
     """
-    if seq_len <= 0 or d_model <= 0 or d_ff <= 0:
-        raise ValueError(f"seq_len, d_model and d_ff must be positive, got {seq_len}, {d_model},"
-                         f" {d_ff}")
+    seq_len, d_model, d_ff = (require_int(n, v) for n, v in
+                              (("seq_len", seq_len), ("d_model", d_model), ("d_ff", d_ff)))
     length, d = seq_len, d_model
     return {
         "attention_projections": 8 * length * d * d,
