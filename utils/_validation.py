@@ -203,12 +203,12 @@ def require_like_module(name: str, t: torch.Tensor, module: nn.Module) -> None:
     if t.dtype != dtype:
         raise InputTypeError(
             f"{name} has dtype {t.dtype} but {type(module).__name__}'s parameters are {dtype}; "
-            f"convert one of them (x.to({dtype}) or module.to({t.dtype}))"
+            f"convert one of them ({name}.to({dtype}) or module.to({t.dtype}))"
         )
     if t.device != device:
         raise InputTypeError(
             f"{name} is on {t.device} but {type(module).__name__}'s parameters are on {device}; "
-            f"move one of them (x.to('{device}') or module.to('{t.device}'))"
+            f"move one of them ({name}.to('{device}') or module.to('{t.device}'))"
         )
 
 
