@@ -96,4 +96,4 @@ def test_make_serve_serves_the_first_chapter(built_book, tmp_path):
         page = fetch(f"http://127.0.0.1:{port}/book/01_attention.html", proc, log, timeout=600)
         assert "Attention from scratch" in page
         index = fetch(f"http://127.0.0.1:{port}/", proc, log, timeout=30)
-        assert "<html" in index.lower()
+        assert "url=book/intro.html" in index.lower(), "the site root does not lead to the intro"
