@@ -133,8 +133,11 @@ def train(
         seed: seeds torch's global generator (dropout, if any) before the first step; an int
             >= 0.
         clip: clip the gradient's global norm to this finite number > 0 (None: no clipping).
-        decimals: rounding of the printed losses, an int >= 0 (coarse, so that the printout is
-            the same on other machines, whose float sums may differ in the last bits).
+        decimals: rounding of the printed losses, an int >= 0. No rounding makes a printed
+            loss trajectory the same on every machine: float sums differ in their last bits
+            between processors, and training amplifies the difference. A notebook whose outputs
+            are checked passes ``print_fn=None`` and prints comparisons with a wide margin
+            instead (`History.mean_loss`).
         print_fn: where reports go (a callable); None to stay silent.
 
     Returns:
