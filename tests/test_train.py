@@ -5,6 +5,7 @@ that each takes a few seconds; each must reach a stated held-out accuracy.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from utils.data import PAD, MissingDigitTask, ReversalTask, SortingTask
 from utils.decoding import generate, greedy_decode
 from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer
 from utils.train import (
+    History,
     exact_match,
     token_accuracy,
     token_cross_entropy,
@@ -144,3 +146,24 @@ def test_missing_digit_mlm_learns():
     with torch.no_grad():
         acc = token_accuracy(model(batch.inputs, batch.mask), batch.targets)
     assert acc >= 0.95
+
+
+def test_history_mean_loss_averages_the_steps_asked_for():
+    h = History(step_losses=[4.0, 2.0, 1.0, 0.5, 0.5])
+    assert h.mean_loss(1, 1) == 4.0
+    assert h.mean_loss(1, 2) == 3.0
+    assert h.mean_loss(4, 5) == 0.5
+    assert h.mean_loss(1, 5) == pytest.approx(8.0 / 5)
+
+
+@pytest.mark.parametrize(("first", "last", "error", "phrase"), [
+    (0, 2, ValueError, "1 <= first <= last <= 5"),
+    (3, 2, ValueError, "first=3, last=2"),
+    (1, 6, ValueError, "last=6"),
+    (1.0, 2, TypeError, "first must be an int"),
+    (1, True, TypeError, "last must be an int"),
+])
+def test_history_mean_loss_refuses_steps_it_does_not_have(first, last, error, phrase):
+    h = History(step_losses=[4.0, 2.0, 1.0, 0.5, 0.5])
+    with pytest.raises(error, match=re.escape(phrase)):
+        h.mean_loss(first, last)
