@@ -16,7 +16,8 @@ NBVAL_ENV := OMP_NUM_THREADS=1
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	-n 2 --dist loadscope
 
-.PHONY: venv book test unit notebooks book-tests lab serve assignments browser-deps execute lint clean
+.PHONY: venv book test unit notebooks book-tests lab serve assignments browser-deps execute lint clean \
+	grade
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +65,18 @@ execute: venv
 # Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
 assignments: venv
 	$(PY) scripts/make_assignments.py --out _build/assignments
+
+# Grade handed-in notebooks, each in its own sandboxed process:
+#   make grade SUBMITTED=folder [OUT=_build/grades]
+# Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
+GRADE_STAMP := $(VENV)/.grade-installed
+$(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
+	@touch $@
+
+grade: $(GRADE_STAMP)
+	@test -n "$(SUBMITTED)" || { echo "usage: make grade SUBMITTED=folder [OUT=dir]"; exit 2; }
+	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)
 
 lint: venv
 	$(VENV)/bin/ruff check utils tests
