@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-from utils.checks import ASSIGNMENTS  # noqa: E402
+from utils.checks import ASSIGNMENTS, sandbox  # noqa: E402
 from utils.checks.sandbox import Limits, SubmissionResult, grade_notebook  # noqa: E402
 
 
@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mb", type=int, default=Limits.memory_mb,
                         help=f"address-space limit of a notebook's process in MiB (default "
                              f"{Limits.memory_mb})")
+    parser.add_argument("--no-fork", action="store_true",
+                        help="start every notebook's process afresh instead of forking it from a "
+                             "process that has imported torch once (slower; the same isolation)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if not args.submitted.is_dir():
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.submitted}/<student>/[<assignment>/]", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    if args.no_fork:
+        sandbox.use_fork = False
     limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)
     start = time.monotonic()
     results: dict[int, SubmissionResult] = {}
@@ -174,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     print(summary(rows))
-    print(f"graded {len(rows)} notebooks in {time.monotonic() - start:.1f} s; wrote "
+    started = sandbox.children_started
+    print(f"graded {len(rows)} notebooks in {time.monotonic() - start:.1f} s "
+          f"({started['forked']} processes forked, {started['fresh']} started afresh); wrote "
           f"{args.out / 'grades.csv'} and {args.out / 'feedback'}/")
     return 0
 

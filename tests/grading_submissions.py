@@ -8,6 +8,7 @@ expectation). The expectation is ``"full"``, ``"zero"``, or a phrase its feedbac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import nbformat
@@ -131,6 +132,34 @@ torch.set_default_dtype(torch.float64)
 torch.set_grad_enabled(False)
 torch.use_deterministic_algorithms(False)
 """
+# Right code only when the process it runs in is as clean as a fresh one: its own session, its own
+# folder (holding the notebook, the log of its prints and whatever torch caches there) as HOME and
+# TMPDIR, one thread, and nothing open but /dev/null, its log, the files under the Python
+# installation and its own two pipes to the grader: no socket and no file of another folder
+# inherited from the process that forked it.
+A1_PROBE = '''
+import os
+import sys
+def _links():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+_here = os.path.realpath(os.getcwd())
+CLEAN = (os.getsid(0) == os.getpid()
+         and os.path.realpath(os.environ["HOME"]) == _here
+         and os.path.realpath(os.environ["TMPDIR"]) == _here
+         and {"a1_attention.ipynb", "output.log"} <= set(os.listdir("."))
+         and [f for f in os.listdir(".") if f.endswith(".ipynb")] == ["a1_attention.ipynb"]
+         and len(os.listdir("/proc/self/task")) == 1
+         and all(link in ("/dev/null", os.path.join(_here, "output.log"))
+                 or link.startswith((sys.prefix, sys.base_prefix, "pipe:"))
+                 for link in _links())
+         and sum(link.startswith("pipe:") for link in _links()) == 2)
+''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if CLEAN else 1")
 
 MHA_INIT = '''
 class MultiHeadAttention(nn.Module):
@@ -345,6 +374,7 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_writes_files": ("a1_attention", {3: A1_WRITES}, "full"),
     "evil_a1_10gb": ("a1_attention", {3: A1_ALLOC}, "full"),
     "evil_a1_global_state": ("a1_attention", {3: A1_GLOBAL_STATE}, "full"),
+    "evil_a1_probes_its_process": ("a1_attention", {3: A1_PROBE}, "full"),
     "evil_a2_endless_init": ("a2_multi_head_attention", {3: MHA_HANG}, "did not finish within"),
     "evil_a3_torch_layer_norm": ("a3_positional_encoding_layer_norm", {6: LN_TORCH},
                                  "nn.LayerNorm"),
@@ -353,11 +383,14 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
 }
 
 
-def write_submissions(folder: Path, outside: Path, nested: bool = True) -> dict[str, Path]:
-    """Write every submission as ``folder/<student>/<assignment>/<assignment>.ipynb`` (nbgrader's
-    layout) or, with ``nested=False``, ``folder/<student>/<assignment>.ipynb``."""
+def write_submissions(folder: Path, outside: Path, nested: bool = True,
+                      students: Iterable[str] | None = None) -> dict[str, Path]:
+    """Write every submission (or those of ``students``) as
+    ``folder/<student>/<assignment>/<assignment>.ipynb`` (nbgrader's layout) or, with
+    ``nested=False``, ``folder/<student>/<assignment>.ipynb``."""
     paths = {}
-    for student, (assignment, cells, _) in SUBMISSIONS.items():
+    for student in SUBMISSIONS if students is None else students:
+        assignment, cells, _ = SUBMISSIONS[student]
         nb = nbformat.read(ROOT / "book" / "assignments" / f"{assignment}.ipynb", as_version=4)
         for index, source in cells.items():
             assert "### BEGIN SOLUTION" in nb.cells[index].source, (student, index)

@@ -5,18 +5,35 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from grading_submissions import SUBMISSIONS, write_submissions
 from notebooks import ROOT
 
+from utils.checks import sandbox
+
 SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 _spec = importlib.util.spec_from_file_location("grade_assignments", SCRIPT)
 grade_assignments = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(grade_assignments)
+
+
+def _grade(submitted, out, *options):
+    """Run the command line on ``submitted``; returns the run and the CSV's rows by student."""
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(SCRIPT), str(submitted), "--out", str(out),
+                          "--case-timeout", "2", "--cells-timeout", "20", "--quiet", *options],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run.elapsed = time.monotonic() - start
+    assert (out / "grades.csv").exists(), run.stderr[-3000:]
+    with open(out / "grades.csv", newline="") as f:
+        return run, {r["student"]: r for r in csv.DictReader(f)}
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +43,7 @@ def graded(tmp_path_factory):
     submitted, out, outside = base / "submitted", base / "out", base / "outside.txt"
     write_submissions(submitted, outside)
     before = {p.relative_to(submitted) for p in submitted.rglob("*")}
-    start = time.monotonic()
-    run = subprocess.run([sys.executable, str(SCRIPT), str(submitted), "--out", str(out),
-                          "--case-timeout", "2", "--cells-timeout", "20", "--quiet"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    run.elapsed = time.monotonic() - start
-    with open(out / "grades.csv", newline="") as f:
-        rows = {r["student"]: r for r in csv.DictReader(f)}
+    run, rows = _grade(submitted, out)
     after = {p.relative_to(submitted) for p in submitted.rglob("*")}
     return {"submitted": submitted, "out": out, "rows": rows, "run": run, "outside": outside,
             "new_files": after - before}
@@ -43,6 +54,28 @@ def test_the_run_succeeds_and_grades_everyone(graded):
     assert run.returncode == 0, run.stderr[-3000:]
     assert set(graded["rows"]) == set(SUBMISSIONS)
     assert "a1_attention:" in run.stdout and "mean" in run.stdout
+
+
+def test_every_child_is_forked_from_the_zygote(graded):
+    """The fast path is the one taken: no child fell back to a fresh interpreter."""
+    counts = re.search(r"\((\d+) processes forked, (\d+) started afresh\)", graded["run"].stdout)
+    assert counts, graded["run"].stdout
+    assert int(counts.group(1)) >= len(SUBMISSIONS) and int(counts.group(2)) == 0
+
+
+def test_fresh_processes_grade_alike(tmp_path):
+    """Without the zygote (--no-fork), every child is a fresh interpreter and the grades and the
+    process a submission sees are the same."""
+    students = ["evil_a1_probes_its_process", "bad_a1_times_sqrt"]
+    write_submissions(tmp_path / "in", tmp_path / "outside.txt", students=students)
+    run, rows = _grade(tmp_path / "in", tmp_path / "out", "--no-fork")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(0 processes forked, 2 started afresh)" in run.stdout
+    assert rows["evil_a1_probes_its_process"]["score"] == rows["evil_a1_probes_its_process"][
+        "max_score"]
+    feedback = (tmp_path / "out" / "feedback" / "bad_a1_times_sqrt" / "a1_attention.md")
+    assert float(rows["bad_a1_times_sqrt"]["score"]) < float(rows["bad_a1_times_sqrt"]["max_score"])
+    assert "multiplied by sqrt(d_k)" in feedback.read_text()
 
 
 @pytest.mark.parametrize("student", list(SUBMISSIONS))
@@ -127,3 +160,30 @@ def test_help():
 def test_makefile_has_a_grade_target():
     text = (ROOT / "Makefile").read_text()
     assert "grade_assignments.py $(SUBMITTED)" in text
+    for target in ("test", "unit", "grade"):  # nbgrader is installed before its test runs
+        assert re.search(rf"^{target}:.*\$\(GRADE_STAMP\)", text, re.M), target
+
+
+def test_the_zygote_kills_and_reaps_its_children(tmp_path):
+    """A child the grader gives up on is gone at once, and so is every child when the zygote
+    stops; the zygote is single-threaded (it refuses to start otherwise)."""
+    zygote = sandbox.Zygote()
+    fds = []
+    try:
+        first, *ends = zygote.spawn(tmp_path)
+        fds += ends
+        second, *ends = zygote.spawn(tmp_path)
+        fds += ends
+        assert Path(f"/proc/{first}").exists() and Path(f"/proc/{second}").exists()
+        deadline = time.monotonic() + 10
+        while os.getsid(first) != first and time.monotonic() < deadline:
+            time.sleep(0.01)  # the child leaves the zygote's session right after the fork
+        assert os.getsid(first) == first != os.getsid(0)
+        assert zygote.kill(first)
+        assert not Path(f"/proc/{first}").exists()
+    finally:
+        zygote.close()
+        for fd in fds:
+            os.close(fd)
+    assert zygote.proc.returncode == 0
+    assert not Path(f"/proc/{second}").exists()

@@ -1,10 +1,12 @@
 """The sandboxed child of the grader: runs one submission's code, then exercises it case by case.
 
-Started by `utils.checks.sandbox` as ``python -I -m utils.checks.child`` in a fresh folder that
-holds a copy of the notebook only. It reads its instructions from the grader on standard input,
-sets its own resource limits, keeps private copies of its pipes (the student's prints go to a log
-file), installs the `Monitor`, runs the notebook's code cells, and then answers each case with
-raw tensors. It never says whether a case passed: the grader decides.
+It starts in a folder of its own that holds a copy of the notebook only, with the grader's pipes
+on its standard input and output. Usually `utils.checks.zygote` forks it from a process that has
+already imported torch; without ``os.fork`` `utils.checks.sandbox` starts it afresh as ``python
+-I -m utils.checks.child``. Either way, `serve` then does the same: it reads its instructions from
+the grader, sets its own resource limits, keeps private copies of its pipes (the student's prints
+go to a log file), installs the `Monitor`, runs the notebook's code cells, and answers each case
+with raw tensors. It never says whether a case passed: the grader decides.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def _describe_target(obj: Any) -> dict[str, Any]:
     return info
 
 
-def main() -> None:
-    """Run the protocol until the grader says "end" (or the student's code ends the process)."""
+def serve() -> None:
+    """Run the protocol until the grader says "end" (or the student's code ends the process).
+
+    Nothing of the student's runs before the limits and the monitor are in place.
+    """
     inp, out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -99,6 +104,14 @@ def main() -> None:
         write_frame(out, {"op": "result", "id": msg["id"], "raw": raw}, tensors=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+def main() -> None:
+    """The entry point of a child started as a fresh process."""
+    try:
+        serve()
+    finally:
+        os._exit(70)  # only reached when the grader went away before "end"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Grade one submitted notebook in a sandboxed child process: the grader's side.
 
-The grader (this module) never imports or runs the student's code. It starts `utils.checks.child`
+The grader (this module) never imports or runs the student's code. It runs `utils.checks.child`
 in a fresh temporary folder with a copy of the notebook only, a stripped environment, limits on
 memory, CPU time and file size, and wall-clock limits of its own: for the notebook's cells, for
-each case, and for the whole submission. It draws every case's inputs afresh, sends them, reads
+each case, and for the whole submission. The child is forked by `utils.checks.zygote`, a process
+started once that has imported torch and nothing of any student, which saves the seconds of a
+fresh interpreter per child; where ``os.fork`` is missing (or `use_fork` is False) each child is
+a fresh process instead. It draws every case's inputs afresh, sends them, reads
 back raw tensors, checks their types and sizes, and judges them with the checker's reference in
 its own process. A child that hangs is killed and a new one goes on with the next case; a child
 that dies takes only its own case with it.
@@ -11,15 +14,19 @@ that dies takes only its own case with it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +36,7 @@ import torch
 
 from .core import Case, Checker, CheckResult, Spec
 from .guard import TAMPER, Assignment, Rule, static_scan
-from .protocol import ProtocolError, Reader, encode
+from .protocol import ProtocolError, Reader, write_frame
 
 CHECK_CALL = re.compile(r"\bcheck_\w+\(")
 UTILS = Path(__file__).resolve().parent.parent
@@ -122,40 +129,199 @@ def _clean_raw(raw: Any, spec: Spec) -> dict[str, Any]:
     return {"status": status[:30], "message": message[:300], "tensors": tensors, "notes": notes}
 
 
+def _child_env(folder: Path) -> dict[str, str]:
+    """The whole environment of a child (or of the zygote) whose folder is ``folder``."""
+    return {"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": str(folder),
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class ZygoteError(Exception):
+    """The zygote could not start, or stopped answering."""
+
+
+class Zygote:
+    """The grader's end of `utils.checks.zygote`: one pre-started process that forks children.
+
+    Thread-safe: each request and its answer hold a lock, so the threads of the command line can
+    share one zygote.
+    """
+
+    def __init__(self, start_timeout: float = 120.0):
+        self.dir = Path(tempfile.mkdtemp(prefix="grade-zygote-"))
+        self.lock = threading.Lock()
+        self.broken = False
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-m", "utils.checks.zygote", str(theirs.fileno())],
+                cwd=self.dir, env=_child_env(self.dir), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            theirs.close()
+        self.sock = ours
+        try:
+            hello = self._receive(start_timeout)
+        except ZygoteError:
+            self.close()
+            raise
+        if hello.get("op") != "hello" or hello.get("threads") != 1:
+            self.close()
+            raise ZygoteError(f"the zygote is not single-threaded ({hello.get('threads')})")
+
+    def _receive(self, timeout: float) -> dict[str, Any]:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except OSError as exc:
+            raise ZygoteError(f"no answer from the zygote ({type(exc).__name__})") from None
+        if not data:
+            raise ZygoteError("the zygote has gone")
+        try:
+            answer = json.loads(data.decode())
+        except ValueError:
+            raise ZygoteError("an unreadable answer from the zygote") from None
+        if not isinstance(answer, dict):
+            raise ZygoteError("an unreadable answer from the zygote")
+        return answer
+
+    def _call(self, message: dict[str, Any], fds: list[int] | None = None,
+              timeout: float = 30.0) -> dict[str, Any]:
+        with self.lock:
+            if self.broken:
+                raise ZygoteError("the zygote stopped answering earlier")
+            try:
+                data = json.dumps(message).encode()
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.send(data)
+                return self._receive(timeout)
+            except (OSError, ZygoteError) as exc:
+                self.broken = True  # a late answer would be read as the next one's: stop here
+                raise ZygoteError(f"the zygote has gone ({type(exc).__name__})") from None
+
+    def spawn(self, folder: Path) -> tuple[int, int, int]:
+        """Fork a child in ``folder``; (its pid, the fd to write to it, the fd to read from it)."""
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            answer = self._call({"op": "spawn", "dir": str(folder)}, [to_child_r, from_child_w])
+        except ZygoteError:
+            for fd in (to_child_w, from_child_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        pid = answer.get("pid")
+        if not isinstance(pid, int) or pid <= 0:
+            for fd in (to_child_w, from_child_r):
+                os.close(fd)
+            raise ZygoteError("the zygote did not fork")
+        return pid, to_child_w, from_child_r
+
+    def kill(self, pid: int) -> bool:
+        """Kill the child ``pid`` with its process group, and reap it; False if the zygote is
+        gone (and the caller must kill the child itself)."""
+        try:
+            return self._call({"op": "kill", "pid": pid}).get("ok") is True
+        except ZygoteError:
+            return False
+
+    def close(self) -> None:
+        """Stop the zygote: it kills every child it still has, then exits."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_zygote: Zygote | None = None
+_zygote_failed = False
+_zygote_lock = threading.Lock()
+use_fork = hasattr(os, "fork") and hasattr(socket, "send_fds") and sys.platform == "linux"
+"""Whether children are forked from a zygote; False starts each child as a fresh process."""
+children_started = {"forked": 0, "fresh": 0}
+"""How many children this process has had forked by its zygote and started afresh."""
+
+
+def shared_zygote() -> Zygote | None:
+    """The zygote of this process, started on first use; None when children start afresh."""
+    global _zygote, _zygote_failed
+    if not use_fork:
+        return None
+    with _zygote_lock:
+        if _zygote is None and not _zygote_failed:
+            try:
+                _zygote = Zygote()
+                atexit.register(stop_zygote)
+            except (ZygoteError, OSError):
+                _zygote_failed = True
+        return _zygote
+
+
+def stop_zygote() -> None:
+    """Stop the zygote of this process, if it has one (the next grading starts a new one)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is not None:
+            _zygote.close()
+            _zygote = None
+
+
 class _Child:
-    """One running child process and its pipes."""
+    """One running child process and its pipes: forked by the zygote, or a fresh process."""
 
     def __init__(self, notebook: Path, start: dict[str, Any]):
         self.dir = Path(tempfile.mkdtemp(prefix="grade-"))
         shutil.copy2(notebook, self.dir / notebook.name)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(self.dir), "TMPDIR": str(self.dir),
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-m", "utils.checks.child"], cwd=self.dir, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True)
-        self.reader = Reader(self.proc.stdout.fileno())
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.zygote = shared_zygote()
+        spawned = None
+        if self.zygote is not None:
+            try:
+                spawned = self.zygote.spawn(self.dir)
+            except ZygoteError:
+                self.zygote = None
+        with _zygote_lock:
+            children_started["forked" if spawned is not None else "fresh"] += 1
+        if spawned is not None:
+            self.pid, self.write_fd, read_fd = spawned
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-m", "utils.checks.child"], cwd=self.dir,
+                env=_child_env(self.dir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, start_new_session=True)
+            self.pid = self.proc.pid
+            self.write_fd = os.dup(self.proc.stdin.fileno())
+            read_fd = os.dup(self.proc.stdout.fileno())
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+        self.reader = Reader(read_fd)
         self.send(start)
 
     def send(self, message: dict[str, Any], tensors: bool = False) -> None:
         try:
-            self.proc.stdin.write(encode(message, tensors))
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+            write_frame(self.write_fd, message, tensors)
+        except OSError:
             pass  # the child is gone: the next read says so
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        self.proc.wait()
+        if self.zygote is None or not self.zygote.kill(self.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        for fd in (self.write_fd, self.reader.fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.proc is not None:
+            self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
