@@ -9,6 +9,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# nbgrader (requirements-grade.txt), for `make grade` and for the tests that run nbgrader.
+GRADE_STAMP := $(VENV)/.grade-installed
 PORT ?= 8000
 # Two notebooks run at once on two cores, so each kernel gets one thread: two kernels of two
 # threads each would oversubscribe the cores, and PyTorch's thread pool slows down many times over.
@@ -39,7 +41,7 @@ browser-deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
-unit: venv
+unit: venv $(GRADE_STAMP)
 	$(PY) -m pytest -q -m "not book" tests
 
 notebooks: venv
@@ -48,7 +50,7 @@ notebooks: venv
 book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
-test: venv browser-deps
+test: venv browser-deps $(GRADE_STAMP)
 	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
 	$(PY) -m pytest -q -m book tests
 
@@ -69,7 +71,6 @@ assignments: venv
 # Grade handed-in notebooks, each in its own sandboxed process:
 #   make grade SUBMITTED=folder [OUT=_build/grades]
 # Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
-GRADE_STAMP := $(VENV)/.grade-installed
 $(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
 	@touch $@
