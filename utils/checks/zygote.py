@@ -3,10 +3,12 @@
 Starting a fresh Python process and importing torch takes seconds, far longer than grading a
 notebook. The grader (`utils.checks.sandbox`) therefore starts this process once, as ``python -I
 -B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets, and asks it
-over a Unix socket (the file descriptor FD) for children. The zygote imports exactly what a fresh
-child imports before its first instruction (torch and `utils.checks.child`, with the trusted parts
-of `utils`), never any student code, and never sees a case: the grader draws the inputs in its own
-process and sends them straight to the child over the child's own pipes.
+over a Unix socket (the file descriptor FD) for children. The zygote imports what a fresh child
+imports before its first instruction (torch and `utils.checks.child`, with the trusted parts of
+`utils`) and the parts of torch that every notebook imports anyway (`preload`), never any
+student code and none of the book's modules that an assignment forbids. It never sees a case: the
+grader draws the inputs in its own process and sends them straight to the child over the child's
+own pipes.
 
 What a forked child inherits, and what it does about it before the student's first line:
 
@@ -94,11 +96,23 @@ def _kill(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
+def preload() -> None:
+    """Import the parts of torch that every notebook pulls in lazily, once for all children.
+
+    Each notebook calls ``seed_everything``, whose ``torch.use_deterministic_algorithms`` imports
+    ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds per child.
+    It is torch's own code; the assignments' rules concern the book's modules, which stay out.
+    """
+    with contextlib.suppress(ImportError):
+        import torch._inductor.config  # noqa: F401
+
+
 def main(fd: int) -> None:
     """Serve spawn and kill requests on the socket ``fd`` until the grader closes it."""
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
+    preload()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     keep = open_fds() - {fd}
