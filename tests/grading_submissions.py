@@ -108,6 +108,12 @@ sys.stdout.write("[PASS] 10 / 10\\n")
 A1_REFERENCE = '''
 from utils.attention import scaled_dot_product_attention
 '''
+# An import the static scan cannot see: the forked process must refuse it at run time.
+A1_HIDDEN_IMPORT = '''
+import importlib
+scaled_dot_product_attention = importlib.import_module(
+    "utils." + "attention").scaled_dot_product_attention
+'''
 A1_TORCH = _a1('''    sdpa = torch.nn.functional.scaled_dot_product_attention
     out = sdpa(q, k, v, attn_mask=mask)
     w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d_k), -1)
@@ -158,7 +164,9 @@ CLEAN = (os.getsid(0) == os.getpid()
          and all(link in ("/dev/null", os.path.join(_here, "output.log"))
                  or link.startswith((sys.prefix, sys.base_prefix, "pipe:"))
                  for link in _links())
-         and sum(link.startswith("pipe:") for link in _links()) == 2)
+         and sum(link.startswith("pipe:") for link in _links()) == 2
+         and not any(m.startswith(("utils.attention", "utils.transformer", "utils.models"))
+                     for m in sys.modules))
 ''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if CLEAN else 1")
 
 MHA_INIT = '''
@@ -368,6 +376,8 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_replaces_checkers": ("a1_attention", {3: A1_CHEAT}, "zero"),
     "evil_a1_prints_scores": ("a1_attention", {3: A1_FAKE_PRINT}, "zero"),
     "evil_a1_reference": ("a1_attention", {3: A1_REFERENCE}, "imports utils.attention"),
+    "evil_a1_hidden_import": ("a1_attention", {3: A1_HIDDEN_IMPORT},
+                              "tried to read the book's sources or reference code"),
     "evil_a1_torch_sdpa": ("a1_attention", {3: A1_TORCH}, "F.scaled_dot_product_attention"),
     "evil_a1_os_exit": ("a1_attention", {3: A1_EXIT}, "ended its own process"),
     "evil_a1_sys_exit": ("a1_attention", {3: A1_SYS_EXIT}, "full"),

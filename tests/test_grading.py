@@ -111,6 +111,7 @@ def test_csv_has_one_column_per_case_and_flags(graded):
 def test_flags_say_what_happened(graded):
     rows = graded["rows"]
     assert "reference used" in rows["evil_a1_reference"]["flags"]
+    assert "reference used" in rows["evil_a1_hidden_import"]["flags"]
     assert "reference used" in rows["evil_a1_torch_sdpa"]["flags"]
     assert "reference used" in rows["evil_a4_torch_layer"]["flags"]
     assert "crashed" in rows["evil_a1_os_exit"]["flags"]
