@@ -169,6 +169,24 @@ CLEAN = (os.getsid(0) == os.getpid()
                      for m in sys.modules))
 ''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if CLEAN else 1")
 
+# Other processes' pipes (the grader's, the zygote's, other notebooks') are in /proc/PID/fd: reading
+# one would steal another notebook's cases. Right code when every attempt is refused.
+A1_OTHERS_PIPES = '''
+import os
+opened = 0
+for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            open(f"/proc/{pid}/fd/{fd}", "rb").close()
+            opened += 1
+        except OSError:
+            pass
+''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if opened == 0 else 1")
+
 MHA_INIT = '''
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model, num_heads, bias=True, dropout=0.0):
@@ -385,6 +403,7 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_10gb": ("a1_attention", {3: A1_ALLOC}, "full"),
     "evil_a1_global_state": ("a1_attention", {3: A1_GLOBAL_STATE}, "full"),
     "evil_a1_probes_its_process": ("a1_attention", {3: A1_PROBE}, "full"),
+    "evil_a1_others_pipes": ("a1_attention", {3: A1_OTHERS_PIPES}, "full"),
     "evil_a2_endless_init": ("a2_multi_head_attention", {3: MHA_HANG}, "did not finish within"),
     "evil_a3_torch_layer_norm": ("a3_positional_encoding_layer_norm", {6: LN_TORCH},
                                  "nn.LayerNorm"),

@@ -117,6 +117,7 @@ def test_flags_say_what_happened(graded):
     assert "crashed" in rows["evil_a1_os_exit"]["flags"]
     assert "timeout" in rows["evil_a2_endless_init"]["flags"]
     assert "blocked" in rows["evil_a1_writes_files"]["flags"]
+    assert "blocked" in rows["evil_a1_others_pipes"]["flags"]
     for student in SUBMISSIONS:
         if student.startswith(("ok_", "bad_")):
             assert rows[student]["flags"] == "", student

@@ -10,8 +10,9 @@ for them:
 * `Monitor`, installed in the sandboxed child before the student's first line runs, is an audit
   hook (which Python does not let code remove) and a profile function. The hook refuses the
   import of a forbidden module, the reading of a reference source file or of the book's sources,
-  writes outside the sandbox folder, new processes, threads, signals to other processes, sockets,
-  and attempts to switch the profile function off. The profile function sees every call the
+  the opening of another process's files in ``/proc``, writes outside the sandbox folder, new
+  processes, threads, signals to other processes, sockets, and attempts to switch the profile
+  function off. The profile function sees every call the
   student's code makes during a case, and reports calls into forbidden code.
 * The grader, not the child, decides what a report means for the score.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +137,7 @@ _PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.truncate", "os.symlink", "os.link", "os.utime", "shutil.rmtree",
                 "shutil.move", "shutil.copyfile", "shutil.copytree", "os.chdir")
 TAMPER = "tamper"
+_OTHER_PROCESS = re.compile(r"^/proc/(\d+)(?:/|$)")
 
 
 class Monitor:
@@ -222,6 +225,13 @@ class Monitor:
             isinstance(flags, int) and bool(flags & _WRITE_FLAGS))
         if self._inside(path, [self.sandbox]):
             return
+        given = args[0]
+        given = os.path.abspath(os.fsdecode(given)) if isinstance(given, (str, bytes)) else ""
+        if self._other_process(given) or self._other_process(path):
+            # /proc/PID/fd/N of the grader or of the process that forked this one would open
+            # their pipes to other notebooks' processes: no file of another process is readable.
+            self._report("blocked", "opening another process's files in /proc")
+            raise PermissionError("opening another process's files is not allowed")
         if writes and not path.startswith("/dev/"):
             self._report("blocked", f"writing {path}")
             raise PermissionError("writing outside the sandbox folder is not allowed")
@@ -233,6 +243,12 @@ class Monitor:
                          f"reading {path}" if path.endswith(".ipynb") else "reading a file "
                          "outside the sandbox")
             raise PermissionError("reading files outside the sandbox is not allowed")
+
+    @staticmethod
+    def _other_process(path: str) -> bool:
+        """Whether ``path`` lies in the /proc folder of another process than this one."""
+        match = _OTHER_PROCESS.match(path)
+        return bool(match) and int(match.group(1)) != os.getpid()
 
     def _forbidden(self, path: str) -> bool:
         """A reference source file, or its compiled form in __pycache__."""
