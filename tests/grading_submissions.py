@@ -134,6 +134,8 @@ except (RuntimeError, MemoryError):
     hog = None
 ''' + A1_RIGHT
 A1_GLOBAL_STATE = A1_RIGHT + """
+torch.set_num_threads(2)
+torch.randn(512, 512) @ torch.randn(512, 512)
 torch.set_default_dtype(torch.float64)
 torch.set_grad_enabled(False)
 torch.use_deterministic_algorithms(False)
@@ -186,6 +188,31 @@ for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpi
         except OSError:
             pass
 ''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if opened == 0 else 1")
+
+# A process, a thread, a socket: right code when all three are refused.
+A1_ESCAPES = '''
+import socket
+import subprocess
+import threading
+escaped = 0
+for attempt in (lambda: subprocess.run(["true"]), lambda: threading.Thread(target=len).start(),
+                lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)):
+    try:
+        attempt()
+        escaped += 1
+    except Exception:
+        pass
+''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if escaped == 0 else 1")
+
+# A thread started with the start function of a fresh copy of the module: caught as tampering,
+# since such a thread would call the reference unseen by the grader.
+A1_THREAD_RESTORED = A1_RIGHT + '''
+import _imp
+import importlib.machinery
+import time
+fresh = _imp.create_builtin(importlib.machinery.ModuleSpec("_thread", None, origin="built-in"))
+fresh.start_new_thread(time.sleep, (30,))
+'''
 
 MHA_INIT = '''
 class MultiHeadAttention(nn.Module):
@@ -404,6 +431,9 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_global_state": ("a1_attention", {3: A1_GLOBAL_STATE}, "full"),
     "evil_a1_probes_its_process": ("a1_attention", {3: A1_PROBE}, "full"),
     "evil_a1_others_pipes": ("a1_attention", {3: A1_OTHERS_PIPES}, "full"),
+    "evil_a1_escapes": ("a1_attention", {3: A1_ESCAPES}, "full"),
+    "evil_a1_thread_restored": ("a1_attention", {3: A1_THREAD_RESTORED},
+                                "running a thread of its own"),
     "evil_a2_endless_init": ("a2_multi_head_attention", {3: MHA_HANG}, "did not finish within"),
     "evil_a3_torch_layer_norm": ("a3_positional_encoding_layer_norm", {6: LN_TORCH},
                                  "nn.LayerNorm"),

@@ -118,6 +118,8 @@ def test_flags_say_what_happened(graded):
     assert "timeout" in rows["evil_a2_endless_init"]["flags"]
     assert "blocked" in rows["evil_a1_writes_files"]["flags"]
     assert "blocked" in rows["evil_a1_others_pipes"]["flags"]
+    assert "blocked" in rows["evil_a1_escapes"]["flags"]
+    assert "tampering" in rows["evil_a1_thread_restored"]["flags"]
     for student in SUBMISSIONS:
         if student.startswith(("ok_", "bad_")):
             assert rows[student]["flags"] == "", student

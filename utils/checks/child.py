@@ -37,6 +37,10 @@ def _limit(limits: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _one_thread(n: int) -> None:
+    """Stands for torch.set_num_threads in the child: the grader runs everything on one thread."""
+
+
 def _error_text(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     text = text if len(text) <= 200 else text[:197] + "..."
@@ -70,6 +74,9 @@ def serve() -> None:
     start = read_trusted(inp)
     _limit(start["limits"])
     torch.set_num_threads(1)
+    # One thread for good: a notebook's torch.set_num_threads(n) is ignored, so that the only
+    # thread is the main one and any other is the notebook's own (see Monitor.check_threads).
+    torch.set_num_threads = _one_thread
 
     def report(kind: str, detail: str) -> None:
         write_frame(out, {"op": "flag", "kind": kind, "detail": detail[:300]})
@@ -86,6 +93,7 @@ def serve() -> None:
         except BaseException as exc:  # the student's error: note it, run the next cell
             errors.append({"cell": i + 1, "error": _error_text(exc)})
     targets = {name: _describe_target(ns.get(name)) for name in start["targets"]}
+    monitor.check_threads()
     write_frame(out, {"op": "ready", "errors": errors, "targets": targets})
     while True:
         msg = read_trusted(inp)
@@ -101,6 +109,7 @@ def serve() -> None:
                 raw = guarded_exercise(obj, Spec.from_payload(msg["spec"]), None)
             finally:
                 monitor.stop_watching_calls()
+        monitor.check_threads()
         write_frame(out, {"op": "result", "id": msg["id"], "raw": raw}, tensors=True)
     sys.stdout.flush()
     os._exit(0)

@@ -11,18 +11,21 @@ for them:
   hook (which Python does not let code remove) and a profile function. The hook refuses the
   import of a forbidden module, the reading of a reference source file or of the book's sources,
   the opening of another process's files in ``/proc``, writes outside the sandbox folder, new
-  processes, threads, signals to other processes, sockets, and attempts to switch the profile
-  function off. The profile function sees every call the
+  processes, signals to other processes, sockets, and attempts to switch the profile function
+  off. Threads are refused by replacing the functions that start them, and a thread found
+  running anyway is reported as tampering. The profile function sees every call the
   student's code makes during a case, and reports calls into forbidden code.
 * The grader, not the child, decides what a report means for the score.
 """
 
 from __future__ import annotations
 
+import _thread
 import ast
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +140,8 @@ _PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.truncate", "os.symlink", "os.link", "os.utime", "shutil.rmtree",
                 "shutil.move", "shutil.copyfile", "shutil.copytree", "os.chdir")
 TAMPER = "tamper"
+_current_frames = sys._current_frames  # kept before any student code can replace them
+_listdir = os.listdir
 _OTHER_PROCESS = re.compile(r"^/proc/(\d+)(?:/|$)")
 
 
@@ -291,7 +296,31 @@ class Monitor:
         """Stop the profile function (between cases)."""
         sys.setprofile(None)
 
+    def _refuse_thread(self, *args: Any, **kwargs: Any) -> None:
+        self._report("blocked", "starting a thread")
+        raise PermissionError("starting a thread is not allowed while grading")
+
+    def check_threads(self) -> None:
+        """Report a thread that runs beside the main one as tampering.
+
+        Python 3.11 raises no audit event for a new thread, so `install` replaces the functions
+        that start one; code that gets hold of the originals again is caught here, after the
+        cells and after every case (a second thread would run unseen by the profile function).
+        The child keeps torch to one thread, so torch starts no pool of its own.
+        """
+        try:
+            count = len(_listdir("/proc/self/task"))
+        except OSError:
+            count = len(_current_frames())
+        if count > 1:
+            self._report(TAMPER, "running a thread of its own")
+
     def install(self) -> None:
-        """Start watching for good: the audit hook, which no code can remove."""
+        """Start watching for good: the audit hook, which no code can remove, and no threads."""
+        for owner, name in ((_thread, "start_new_thread"), (_thread, "start_new"),
+                            (_thread, "start_joinable_thread"), (threading, "_start_new_thread"),
+                            (threading, "_start_joinable_thread")):
+            if hasattr(owner, name):
+                setattr(owner, name, self._refuse_thread)
         sys.addaudithook(self.audit)
         self.armed = True
