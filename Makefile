@@ -9,6 +9,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# nbgrader (requirements-grade.txt), for `make grade` and for the tests that run nbgrader.
+GRADE_STAMP := $(VENV)/.grade-installed
 PORT ?= 8000
 # Two notebooks run at once on two cores, so each kernel gets one thread: two kernels of two
 # threads each would oversubscribe the cores, and PyTorch's thread pool slows down many times over.
@@ -22,7 +24,8 @@ GENERIC_CPU_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OM
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 
-.PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments browser-deps execute lint clean
+.PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
+	browser-deps execute lint clean grade
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,7 +47,7 @@ browser-deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
-unit: venv
+unit: venv $(GRADE_STAMP)
 	$(PY) -m pytest -q -m "not book" tests
 
 notebooks: venv
@@ -56,7 +59,7 @@ notebooks-generic-cpu: venv
 book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
-test: venv browser-deps
+test: venv browser-deps $(GRADE_STAMP)
 	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
 	@echo "The notebooks again, on generic CPU kernels with one thread:"
 	$(GENERIC_CPU_ENV) $(PY) -m pytest -q -p no:cacheprovider $(NBVAL_FLAGS) book
@@ -77,6 +80,17 @@ execute: venv
 # Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
 assignments: venv
 	$(PY) scripts/make_assignments.py --out _build/assignments
+
+# Grade handed-in notebooks, each in its own sandboxed process:
+#   make grade SUBMITTED=folder [OUT=_build/grades]
+# Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
+$(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
+	@touch $@
+
+grade: $(GRADE_STAMP)
+	@test -n "$(SUBMITTED)" || { echo "usage: make grade SUBMITTED=folder [OUT=dir]"; exit 2; }
+	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)
 
 lint: venv
 	$(VENV)/bin/ruff check utils tests

@@ -1,73 +1,190 @@
-"""Grade handed-in assignment notebooks with the checkers of utils.checks, without nbgrader.
+"""Grade handed-in assignment notebooks, each in its own sandboxed process.
 
-    python scripts/grade_assignments.py submissions/*/*.ipynb > grades.csv
+    python scripts/grade_assignments.py SUBMITTED --out DIR
+    make grade SUBMITTED=... [OUT=DIR]
 
-Each notebook runs top to bottom in a fresh kernel (a cell that fails does not stop the run), then
-one more cell calls the assignment's checkers on the objects the student defined and reports their
-scores. It prints a CSV line per notebook: path, one score per checker, and their mean.
+SUBMITTED is nbgrader's layout, SUBMITTED/<student>/<assignment>/<notebook>.ipynb, or a flat one,
+SUBMITTED/<student>/<notebook>.ipynb. A notebook's file name (a1_attention.ipynb, ...) or its
+assignment folder says which assignment it is. Writes DIR/grades.csv (one row per student and
+assignment: score, max_score, the points of every case, flags) and
+DIR/feedback/<student>/<assignment>.md (every case with its points and hint). Exits with 2 only
+when it cannot grade at all (no such folder, no notebook of the book in it); a student's code
+never changes the exit status.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
-import json
+import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
 
-# Which checker grades which object, for each assignment (the notebook's file name).
-CHECKS = {
-    "a1_attention": {"check_scaled_dot_product_attention": "scaled_dot_product_attention"},
-    "a2_multi_head_attention": {"check_multi_head_attention": "MultiHeadAttention"},
-    "a3_positional_encoding_layer_norm": {"check_positional_encoding": "sinusoidal_encoding",
-                                          "check_layer_norm": "LayerNorm"},
-    "a4_encoder_layer": {"check_encoder_layer": "EncoderLayer"},
-}
+import torch  # noqa: E402
 
-GRADER_CELL = """
-import json as _json
-from utils import checks as _checks
-_scores = {{}}
-for _check, _name in {pairs!r}.items():
-    _obj = globals().get(_name)
-    _scores[_check] = 0.0 if _obj is None else getattr(_checks, _check)(_obj, verbose=False).score
-print("GRADES " + _json.dumps(_scores))
-"""
+from utils.checks import ASSIGNMENTS, sandbox  # noqa: E402
+from utils.checks.sandbox import Limits, SubmissionResult, grade_notebook  # noqa: E402
 
 
-def grade(path: Path, timeout: int = 300) -> dict[str, float]:
-    """Run the notebook at ``path`` and return {checker name: score from 0 to 1}."""
-    pairs = CHECKS[path.stem]
-    nb = nbformat.read(path, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(GRADER_CELL.format(pairs=pairs)))
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
-    try:
-        client.execute()
-    except Exception:  # a cell that hangs past the timeout, a kernel that dies: no marks
-        return dict.fromkeys(pairs, 0.0)
-    for out in nb.cells[-1].outputs:
-        for line in out.get("text", "").splitlines():
-            if line.startswith("GRADES "):
-                return json.loads(line[len("GRADES "):])
-    return dict.fromkeys(pairs, 0.0)
-
-
-def main(paths: list[str]) -> int:
-    writer = csv.writer(sys.stdout)
-    writer.writerow(["notebook", "scores", "mean"])
-    for p in map(Path, paths):
-        if p.stem not in CHECKS:
-            print(f"skipping {p}: not an assignment of the book", file=sys.stderr)
+def find_submissions(folder: Path) -> list[tuple[str, str, Path]]:
+    """(student, assignment, notebook) for every notebook of a known assignment in ``folder``."""
+    found = []
+    for student in sorted(p for p in folder.iterdir() if p.is_dir()):
+        if student.name.startswith("."):
             continue
-        scores = grade(p)
-        mean = sum(scores.values()) / len(scores)
-        writer.writerow([str(p), " ".join(f"{k}={v:.2f}" for k, v in scores.items()),
-                         f"{mean:.2f}"])
+        candidates = sorted(student.glob("*.ipynb")) + sorted(student.glob("*/*.ipynb"))
+        for nb in candidates:
+            if ".ipynb_checkpoints" in nb.parts:
+                continue
+            name = nb.stem if nb.stem in ASSIGNMENTS else nb.parent.name
+            if name in ASSIGNMENTS:
+                found.append((student.name, name, nb))
+    return found
+
+
+def columns(assignments: list[str]) -> list[str]:
+    """The case columns of ``assignments``: ``<checker>.<case id>``."""
+    cols = []
+    for name in assignments:
+        for checker in ASSIGNMENTS[name].checkers:
+            cols += [f"{checker.name.removeprefix('check_')}.{c.id}" for c in checker.cases]
+    return cols
+
+
+def _points(x: float) -> str:
+    return f"{x:g}"
+
+
+def feedback(student: str, result: SubmissionResult) -> str:
+    """The Markdown feedback for one student's assignment."""
+    lines = [f"# {result.assignment}: {student}", "",
+             f"**Score: {_points(result.points)} / {_points(result.max_points)}**", ""]
+    if result.flags:
+        lines += [f"Flags: {', '.join(result.flags)}", ""]
+    for note in result.notes:
+        lines.append(f"- {note}")
+    if result.notes:
+        lines.append("")
+    for check in result.checks:
+        lines += [f"## {check.check}", "", "| case | result | points | hint |",
+                  "| --- | --- | --- | --- |"]
+        for c in check.cases:
+            hint = c.hint.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {c.name} | {'pass' if c.passed else 'FAIL'} | "
+                         f"{_points(c.points)} / {_points(c.max_points)} | {hint} |")
+        lines.append("")
+    if result.cell_errors:
+        lines += ["## Errors while your notebook ran", ""]
+        lines += [f"- {e}" for e in result.cell_errors] + [""]
+    return "\n".join(lines)
+
+
+def _progress(done: int, total: int, start: float) -> None:
+    width = 30
+    filled = int(width * done / total) if total else width
+    bar = "#" * filled + "." * (width - filled)
+    sys.stderr.write(f"\r[{bar}] {done}/{total} notebooks, {time.monotonic() - start:.0f} s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def summary(rows: list[dict[str, str]]) -> str:
+    """Per assignment: the number graded, the mean score and how the scores spread."""
+    out = []
+    for name in sorted({r["assignment"] for r in rows}):
+        scores = [float(r["score"]) for r in rows if r["assignment"] == name]
+        top = float(next(r["max_score"] for r in rows if r["assignment"] == name))
+        bins = [0] * 5
+        for s in scores:
+            bins[min(4, int(5 * s / top))] += 1 if top else 0
+        spread = ", ".join(f"{20 * i}-{20 * (i + 1)}%: {n}" for i, n in enumerate(bins))
+        flagged = sum(1 for r in rows if r["assignment"] == name and r["flags"])
+        out.append(f"{name}: {len(scores)} graded, mean {sum(scores) / len(scores):.2f} / "
+                   f"{top:g}, min {min(scores):g}, max {max(scores):g}; {spread}; "
+                   f"{flagged} flagged")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Grade handed-in assignment notebooks, each in its own sandboxed process.",
+        epilog="Layouts: SUBMITTED/<student>/<assignment>/<notebook>.ipynb (nbgrader's) or "
+               "SUBMITTED/<student>/<notebook>.ipynb. Exit status 2: nothing could be graded.")
+    parser.add_argument("submitted", type=Path, help="the folder of handed-in notebooks")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="where to write grades.csv and feedback/")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="notebooks graded at once (default: the number of cores)")
+    parser.add_argument("--case-timeout", type=float, default=Limits.case_s,
+                        help=f"seconds allowed per case (default {Limits.case_s:g})")
+    parser.add_argument("--cells-timeout", type=float, default=Limits.cells_s,
+                        help=f"seconds allowed to run a notebook's cells (default "
+                             f"{Limits.cells_s:g})")
+    parser.add_argument("--timeout", type=float, default=Limits.total_s,
+                        help=f"seconds allowed per notebook in all (default {Limits.total_s:g})")
+    parser.add_argument("--memory-mb", type=int, default=Limits.memory_mb,
+                        help=f"address-space limit of a notebook's process in MiB (default "
+                             f"{Limits.memory_mb})")
+    parser.add_argument("--no-fork", action="store_true",
+                        help="start every notebook's process afresh instead of forking it from a "
+                             "process that has imported torch once (slower; the same isolation)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if not args.submitted.is_dir():
+        print(f"error: {args.submitted} is not a folder", file=sys.stderr)
+        return 2
+    found = find_submissions(args.submitted)
+    if not found:
+        print(f"error: no notebook of the book's assignments ({', '.join(ASSIGNMENTS)}) in "
+              f"{args.submitted}/<student>/[<assignment>/]", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    if args.no_fork:
+        sandbox.use_fork = False
+    limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)
+    start = time.monotonic()
+    results: dict[int, SubmissionResult] = {}
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(grade_notebook, nb, ASSIGNMENTS[a], limits): i
+                   for i, (_, a, nb) in enumerate(found)}
+        for n, fut in enumerate(as_completed(futures), start=1):
+            results[futures[fut]] = fut.result()
+            if not args.quiet:
+                _progress(n, len(found), start)
+    names = sorted({a for _, a, _ in found}, key=list(ASSIGNMENTS).index)
+    cols = columns(names)
+    rows = []
+    for i, (student, name, _) in enumerate(found):
+        res = results[i]
+        row = {"student": student, "assignment": name, "score": _points(res.points),
+               "max_score": _points(res.max_points), "flags": ";".join(res.flags)}
+        for check in res.checks:
+            for c in check.cases:
+                row[f"{check.check.removeprefix('check_')}.{c.case_id}"] = _points(c.points)
+        rows.append(row)
+        path = args.out / "feedback" / student / f"{name}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(feedback(student, res), encoding="utf-8")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "grades.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, ["student", "assignment", "score", "max_score", *cols, "flags"],
+                                restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    print(summary(rows))
+    started = sandbox.children_started
+    print(f"graded {len(rows)} notebooks in {time.monotonic() - start:.1f} s "
+          f"({started['forked']} processes forked, {started['fresh']} started afresh); wrote "
+          f"{args.out / 'grades.csv'} and {args.out / 'feedback'}/")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -227,3 +227,27 @@ def test_visible_text_finds_solutions_in_the_book_pages():
             '<span class="o">-</span><span class="mi">1</span><span class="p">)</span> '
             '<span class="o">&gt;</span> <span class="mi">0</span></pre></div>')
     assert "scores = q @ k.transpose(-2, -1) > 0" in make_assignments.visible_text(page)
+
+
+@pytest.mark.parametrize("path", ASSIGNMENTS, ids=[p.name for p in ASSIGNMENTS])
+def test_nbgrader_metadata(path):
+    """Solution cells, read-only instructions, autograded test cells worth the checker's points."""
+    from utils.checks import ASSIGNMENTS as CHECKED
+
+    checkers = {c.name: c for c in CHECKED[path.stem].checkers}
+    ids = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        meta = cell.metadata["nbgrader"]
+        ids.append(meta["grade_id"])
+        assert meta["schema_version"] == 3
+        call = CHECK_CALL.search(cell.source)
+        if make_assignments.BEGIN in cell.source:
+            assert meta["solution"] and not meta["grade"] and not meta["locked"]
+        elif call and cell.cell_type == "code":
+            checker = checkers[call.group(0)[:-1]]
+            assert meta["grade"] and meta["locked"] and not meta["solution"]
+            assert meta["points"] == sum(c.points for c in checker.cases)
+            assert cell.source.rstrip().splitlines()[-1].startswith("result")
+        else:
+            assert meta["locked"] and not meta["solution"] and not meta["grade"]
+    assert len(ids) == len(set(ids))

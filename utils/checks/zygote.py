@@ -1,0 +1,157 @@
+"""A process that has imported torch once and forks one sandboxed child per request.
+
+Starting a fresh Python process and importing torch takes seconds, far longer than grading a
+notebook. The grader (`utils.checks.sandbox`) therefore starts this process once, as ``python -I
+-B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets, and asks it
+over a Unix socket (the file descriptor FD) for children. The zygote imports what a fresh child
+imports before its first instruction (torch and `utils.checks.child`, with the trusted parts of
+`utils`) and the parts of torch that every notebook imports anyway (`preload`), never any
+student code and none of the book's modules that an assignment forbids. It never sees a case: the
+grader draws the inputs in its own process and sends them straight to the child over the child's
+own pipes.
+
+What a forked child inherits, and what it does about it before the student's first line:
+
+* threads: the zygote sets torch to one thread and checks that it is single-threaded, so the fork
+  copies no thread pool in the middle of its work (the grader does not use a zygote that reports
+  more than one thread);
+* file descriptors: the child closes the zygote's socket and every descriptor that the zygote did
+  not already hold after its imports, and keeps only the two pipe ends of its own request, as its
+  standard input and output;
+* the process group, the folder and the environment: it starts a session of its own (so that the
+  grader can kill it with everything it started), moves into the folder the grader made for it,
+  and sets ``HOME`` and ``TMPDIR`` there, as a fresh child has them;
+* signal handlers: Ctrl-C, which the zygote ignores, raises KeyboardInterrupt again, as in a fresh
+  interpreter.
+
+`utils.checks.child.serve` then sets the resource limits and installs the monitor, exactly as in
+a fresh child. The zygote keeps every child it forked until the grader asks it to kill and reap
+it, so that a process id can never be reused between the grader's decision and the kill.
+
+Requests and answers are JSON, one per socket message: ``{"op": "spawn", "dir": PATH}`` with the
+child's two pipe ends attached answers ``{"pid": PID}``; ``{"op": "kill", "pid": PID}`` answers
+``{"ok": true}``. The zygote's first message is ``{"op": "hello", "threads": N}``. When the grader
+closes its end, the zygote kills its remaining children and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+from . import child
+
+MAX_MESSAGE = 65536
+
+
+def open_fds() -> set[int]:
+    """The file descriptors this process holds."""
+    return {int(name) for name in os.listdir("/proc/self/fd")} if os.path.isdir(
+        "/proc/self/fd") else set(range(3))
+
+
+def thread_count() -> int:
+    """The threads of this process (Linux), or 1 where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode())
+
+
+def _become_child(sock: socket.socket, fds: list[int], workdir: str, keep: set[int]) -> None:
+    """In the forked child: shed what the zygote holds, then serve the grader."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    sock.close()
+    inp, out = fds
+    os.dup2(inp, 0)
+    os.dup2(out, 1)
+    for fd in (open_fds() - keep - {0, 1, 2}) | ({inp, out} - {0, 1}):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os.chdir(workdir)
+    os.environ["HOME"] = os.environ["TMPDIR"] = workdir
+    tempfile.tempdir = workdir
+    child.serve()
+
+
+def _kill(pid: int) -> None:
+    """Kill a child and its process group, then reap it."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def preload() -> None:
+    """Import the parts of torch that every notebook pulls in lazily, once for all children.
+
+    Each notebook calls ``seed_everything``, whose ``torch.use_deterministic_algorithms`` imports
+    ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds per child.
+    It is torch's own code; the assignments' rules concern the book's modules, which stay out.
+    """
+    with contextlib.suppress(ImportError):
+        import torch._inductor.config  # noqa: F401
+
+
+def main(fd: int) -> None:
+    """Serve spawn and kill requests on the socket ``fd`` until the grader closes it."""
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    preload()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    keep = open_fds() - {fd}
+    _send(sock, {"op": "hello", "threads": thread_count()})
+    children: set[int] = set()
+    try:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            except OSError:
+                break
+            if not data:
+                break
+            msg = json.loads(data.decode())
+            if msg.get("op") == "spawn" and len(fds) == 2:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _become_child(sock, fds, str(msg["dir"]), keep)
+                    finally:
+                        os._exit(70)
+                children.add(pid)
+                for f in fds:
+                    os.close(f)
+                _send(sock, {"pid": pid})
+            elif msg.get("op") == "kill":
+                pid = int(msg["pid"])
+                if pid in children:
+                    _kill(pid)
+                    children.discard(pid)
+                _send(sock, {"ok": True})
+            else:
+                for f in fds:
+                    os.close(f)
+                _send(sock, {"error": "unknown request"})
+    finally:
+        for pid in children:
+            _kill(pid)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
