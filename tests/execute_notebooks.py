@@ -1,6 +1,11 @@
 """Execute notebooks in place, top to bottom in a fresh kernel, and print each one's run time.
 
     python tests/execute_notebooks.py [PATH ...]     # files or folders; default: book/
+    python tests/execute_notebooks.py --time-only [PATH ...]   # time them, leave them as they are
+
+With ``--time-only`` nothing is written: run it under the environment of another CPU
+(``ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1``) to see how long
+each notebook takes there.
 
 The kernel is this interpreter, so run it with the project's virtual environment (`make execute`).
 """
@@ -18,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from notebooks import ROOT, book_notebooks  # noqa: E402
 
 
-def execute(path: Path, timeout: int = 300) -> float:
+def execute(path: Path, timeout: int = 300, write: bool = True) -> float:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -30,17 +35,20 @@ def execute(path: Path, timeout: int = 300) -> float:
     start = time.perf_counter()
     client.execute()
     elapsed = time.perf_counter() - start
-    nbformat.write(nb, path)
+    if write:
+        nbformat.write(nb, path)
     return elapsed
 
 
 def main(args: list[str]) -> int:
+    write = "--time-only" not in args
+    args = [a for a in args if a != "--time-only"]
     paths: list[Path] = []
     for a in args or [str(ROOT / "book")]:
         p = Path(a).resolve()
         paths += [q for q in book_notebooks() if p == q or p in q.parents] if p.is_dir() else [p]
     for p in paths:
-        print(f"{execute(p):6.1f} s  {p.relative_to(ROOT)}", flush=True)
+        print(f"{execute(p, write=write):6.1f} s  {p.relative_to(ROOT)}", flush=True)
     return 0
 
 
