@@ -17,7 +17,7 @@ this key". One rule, the same for every argument (``mask``, ``tgt_mask``, ``memo
   `utils.masks.padding_mask`; it applies to every query and every head.
 * 2 dims, shape (L_q, L_k): one **attention mask for the whole batch**, such as
   `utils.masks.causal_mask`.
-* A 2-dim mask that fits both readings (B == L_q) is ambiguous and raises a `ValueError`; say
+* A 2-dim mask that fits both readings (B == L_q > 1) is ambiguous and raises a `ValueError`; say
   what you mean with 3 dims: ``pad[:, None, :]`` for padding, ``mask[None]`` for a shared mask.
 * 3 dims: broadcastable to (B, L_q, L_k), the same for every head; a padding mask is
   (B, 1, L_k), a causal mask combined with padding is ``causal[None] & pad[:, None, :]``.
