@@ -224,6 +224,39 @@ def test_ffn_dropout_only_in_training():
     assert not torch.allclose(ffn(x), ffn.linear2(F.relu(ffn.linear1(x))))
 
 
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_ffn_dropout_sits_between_activation_and_w2(activation):
+    """Train mode: linear2(dropout(hidden(x))), survivors scaled by 1 / (1 - p)."""
+    p = 0.3
+    ffn = PositionwiseFeedForward(6, 16, dropout=p, activation=activation).train()
+    x = torch.randn(40, 6)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        out = ffn(x)
+        torch.manual_seed(3)
+        hidden = ffn.hidden(x)
+        dropped = ffn.dropout(hidden)
+        torch.testing.assert_close(out, ffn.linear2(dropped), atol=0, rtol=0)
+        kept = dropped != 0
+        assert 0 < kept.sum() < hidden.numel()
+        torch.testing.assert_close(dropped[kept], hidden[kept] / (1 - p))
+
+
+def test_ffn_dropout_matches_torch_ff_block_up_to_dropout2():
+    """PyTorch's _ff_block is our FFN followed by dropout2, with the same random masks."""
+    d_model, d_ff, p = 8, 32, 0.2
+    layer = nn.TransformerEncoderLayer(d_model, 2, d_ff, dropout=p, batch_first=True).train()
+    ffn = PositionwiseFeedForward(d_model, d_ff, dropout=p).train()
+    ffn.linear1.load_state_dict(layer.linear1.state_dict())
+    ffn.linear2.load_state_dict(layer.linear2.state_dict())
+    x = torch.randn(2, 5, d_model)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ours = layer.dropout2(ffn(x))
+        torch.manual_seed(7)
+        torch.testing.assert_close(ours, layer._ff_block(x), atol=1e-6, rtol=0)
+
+
 def test_ffn_bad_inputs():
     with pytest.raises(ValueError, match="activation"):
         PositionwiseFeedForward(4, 8, activation="tanh")

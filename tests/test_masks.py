@@ -225,3 +225,50 @@ def test_cross_attention_padding_of_memory_is_ignored():
     expected = m(tgt, memory, memory, mask=mask)
     torch.testing.assert_close(m(tgt, changed, changed, mask=mask), expected, atol=1e-6, rtol=0)
     assert torch.all(m.attn_weights[1, :, :, 4:] == 0)
+
+
+# ------------------------------------------------ the chapter's derivations, loops first
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 9])
+def test_masks_equal_their_loop_definitions(length):
+    """Each mask of the chapter, written as loops over (query i, key j), equals the library's."""
+    for i in range(length):
+        for j in range(length):
+            assert bool(causal_mask(length)[i, j]) == (j <= i)
+    for w in range(length + 1):
+        two_sided, causal = local_mask(length, w), local_mask(length, w, causal=True)
+        for i in range(length):
+            for j in range(length):
+                assert bool(two_sided[i, j]) == (abs(i - j) <= w)
+                assert bool(causal[i, j]) == (0 <= i - j <= w)
+        # the same bands cut out between two diagonals of a matrix of ones
+        ones = torch.ones(length, length, dtype=torch.bool)
+        assert torch.equal(two_sided, ones.triu(-w).tril(w))
+        assert torch.equal(causal, ones.tril().triu(-w))
+    lengths = [length, 0, max(length - 2, 0)]
+    pad = padding_mask(lengths, length)
+    both = combine_masks(causal_mask(length), padding_to_attention_mask(pad))
+    assert both.shape == (3, 1, length, length)
+    for b, n in enumerate(lengths):
+        for j in range(length):
+            assert bool(pad[b, j]) == (j < n)
+            for i in range(length):
+                assert bool(both[b, 0, i, j]) == (j <= i and j < n)
+
+
+def test_masked_softmax_is_softmax_on_allowed_keys_and_zero_on_empty_rows():
+    """The book's rule in formulas: rows with a key match softmax(scores + additive mask), rows
+    without one are all zero, and no NaN appears forward or backward."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, requires_grad=True) for _ in range(3))
+    mask = combine_masks(causal_mask(5), padding_to_attention_mask(
+        padding_mask([5, 3], 5).flip(-1)))[:, 0]          # left padding: empty rows in sequence 1
+    out, weights = scaled_dot_product_attention(q, k, v, mask)
+    has_key = mask.any(-1)
+    assert not bool(has_key.all())
+    expected = torch.softmax(q @ k.transpose(-2, -1) / 2.0 + to_additive_mask(mask), dim=-1)
+    torch.testing.assert_close(weights[has_key], expected[has_key], atol=1e-6, rtol=0)
+    assert torch.all(weights[~has_key] == 0) and torch.all(out[~has_key] == 0)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

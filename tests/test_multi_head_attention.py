@@ -246,3 +246,61 @@ def test_gqa_sizes_and_pooling():
     torch.testing.assert_close(mqa.w_k.weight, mha.w_k.weight.view(h, d // h, d).mean(0))
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         GroupedQueryAttention.from_multi_head(mha, num_kv_heads=3)
+
+
+def test_heads_keep_the_parameters_but_multiply_the_attention_weights():
+    """h heads: the parameters of one wide head, h times the (B, h, L, L) attention weights."""
+    x = torch.randn(2, 7, 16)
+    counts = set()
+    for h in (1, 2, 4, 8):
+        m = MultiHeadAttention(16, h)
+        m(x, x, x)
+        counts.add(sum(p.numel() for p in m.parameters()))
+        assert m.attn_weights.shape == (2, h, 7, 7)
+    assert counts == {4 * 16 * 16 + 4 * 16}
+
+
+@pytest.mark.parametrize("h_kv, removed", [(32, 0.0), (8, 0.375), (4, 0.4375), (1, 0.484375)])
+def test_gqa_removes_less_than_half_the_parameters(h_kv, removed):
+    """Without biases, grouped-query attention removes (1 - h_kv / h) / 2 of the parameters:
+    37.5% for 32 query heads and 8 key/value heads at d_model = 4096 (chapter 3's table)."""
+    with torch.device("meta"):
+        layer = GroupedQueryAttention(4096, 32, h_kv, bias=False)
+    params = sum(p.numel() for p in layer.parameters())
+    assert 1 - params / (4 * 4096**2) == removed == (1 - h_kv / 32) / 2
+
+
+def test_one_head_blend_forgets_which_token_fills_which_role():
+    """Chapter 3's argument: with equal weights on two tokens, one head returns the same output
+    when the two tokens swap places, whatever its value projection; two heads of half the width,
+    one per relation, tell the two orders apart."""
+    torch.manual_seed(0)
+    words, pos = torch.eye(3), torch.eye(3)
+
+    def encode(order):  # (1, 3, 6): word code then position code
+        return torch.cat([words[order], pos], dim=-1)[None]
+
+    x_a, x_b = encode([0, 2, 1]), encode([1, 2, 0])       # "dog bites man", "man bites dog"
+    # query of the middle token: equal weight on both neighbours (one head), or one neighbour
+    # per head (two heads); keys read the position code.
+    score = torch.zeros(6, 3)
+    score[3 + 1, 0] = score[3 + 1, 2] = 50.0
+    one = MultiHeadAttention(6, 1, bias=False)
+    two = MultiHeadAttention(6, 2, bias=False)
+    with torch.no_grad():
+        one.w_q.weight.copy_(torch.cat([score, torch.zeros(6, 3)], 1).T)
+        one.w_k.weight.copy_(torch.cat([torch.cat([torch.zeros(3, 3), torch.eye(3)]),
+                                        torch.zeros(6, 3)], 1).T)
+        one.w_v.weight.copy_(torch.randn(6, 6))
+        back, ahead = torch.zeros(6, 3), torch.zeros(6, 3)
+        back[3 + 1, 0] = ahead[3 + 1, 2] = 50.0
+        read_pos = torch.cat([torch.zeros(3, 3), torch.eye(3)])
+        read_word = torch.cat([torch.eye(3), torch.zeros(3, 3)])
+        two.w_q.weight.copy_(torch.cat([back, ahead], 1).T)
+        two.w_k.weight.copy_(torch.cat([read_pos, read_pos], 1).T)
+        two.w_v.weight.copy_(torch.cat([read_word, read_word], 1).T)
+        for m in (one, two):
+            m.w_o.weight.copy_(torch.eye(6))
+    torch.testing.assert_close(one(x_a, x_a, x_a)[0, 1], one(x_b, x_b, x_b)[0, 1], atol=1e-6,
+                               rtol=0)
+    assert (two(x_a, x_a, x_a)[0, 1] - two(x_b, x_b, x_b)[0, 1]).abs().max() > 0.9

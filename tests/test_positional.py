@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from utils.positional import (
     LearnedPositionalEmbedding,
@@ -13,7 +14,9 @@ from utils.positional import (
     SinusoidalPositionalEncoding,
     TokenEmbedding,
     apply_rope,
+    permute_rope_weight,
     rope_angles,
+    rope_permutation,
     sinusoidal_encoding,
     sinusoidal_shift_matrix,
 )
@@ -183,3 +186,106 @@ def test_rope_bad_inputs():
         RotaryEmbedding(8)(torch.randn(3, 6))
     with pytest.raises(ValueError):
         RotaryEmbedding(7)
+
+
+# ----- the sign of the rotation and the two layouts ------------------------------------------
+
+@pytest.mark.parametrize("t", [0, 1, 7, 123])
+def test_rope_is_the_transposed_shift_matrix_in_row_form(t):
+    """apply_rope(x, t) = x R_t^T = x R_{-t}, with R_t the shift matrix of the encoding."""
+    torch.manual_seed(t)
+    d = 12
+    x = torch.randn(1, d, dtype=torch.float64)
+    got = apply_rope(x, torch.tensor([t]))
+    torch.testing.assert_close(got, x @ sinusoidal_shift_matrix(t, d).T)
+    torch.testing.assert_close(got, x @ sinusoidal_shift_matrix(-t, d))
+
+
+def test_rope_score_is_q_r_n_minus_m_k():
+    torch.manual_seed(0)
+    d, m, n = 16, 9, 4
+    q = torch.randn(d, dtype=torch.float64)
+    k = torch.randn(d, dtype=torch.float64)
+    score = apply_rope(q[None], torch.tensor([m]))[0] @ apply_rope(k[None], torch.tensor([n]))[0]
+    assert abs(score - q @ sinusoidal_shift_matrix(n - m, d) @ k) < 1e-12
+    assert abs(score - q @ sinusoidal_shift_matrix(m - n, d) @ k) > 1e-3  # the other sign is wrong
+
+
+def _rotate_half_reference(x, positions, base=10000.0):
+    """The half layout as the Hugging Face Llama code writes it: x cos + rotate_half(x) sin."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = positions.double()[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half1, half2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = torch.cat([-half2, half1], dim=-1)
+    return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
+
+
+def test_rope_half_layout_matches_rotate_half():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 16, dtype=torch.float64)
+    pos = torch.arange(11) + 5
+    torch.testing.assert_close(apply_rope(x, pos, layout="half"), _rotate_half_reference(x, pos))
+    torch.testing.assert_close(RotaryEmbedding(16, layout="half")(x, pos),
+                               _rotate_half_reference(x, pos))
+
+
+@pytest.mark.parametrize("d", [2, 8, 14])
+def test_rope_permutation_maps_one_layout_to_the_other(d):
+    torch.manual_seed(d)
+    x = torch.randn(3, 9, d, dtype=torch.float64)
+    pos = torch.arange(9) * 3
+    p = rope_permutation(d)
+    assert sorted(p.tolist()) == list(range(d))
+    if d == 8:
+        assert p.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    torch.testing.assert_close(apply_rope(x[..., p], pos, layout="half"),
+                               apply_rope(x, pos)[..., p])
+    back = rope_permutation(d, to="interleaved")
+    torch.testing.assert_close(x[..., p][..., back], x)
+    torch.testing.assert_close(apply_rope(x[..., back], pos)[..., p][..., p],
+                               apply_rope(x, pos, layout="half")[..., p])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_permuted_projections_give_the_same_scores_in_the_half_layout(bias):
+    torch.manual_seed(0)
+    d_model, h, L = 24, 3, 10
+    d_k = d_model // h
+    wq, wk = nn.Linear(d_model, d_model, bias=bias), nn.Linear(d_model, d_model, bias=bias)
+    x = torch.randn(2, L, d_model)
+
+    def scores(q_lin, k_lin, layout):
+        q = q_lin(x).reshape(2, L, h, d_k).transpose(1, 2)
+        k = k_lin(x).reshape(2, L, h, d_k).transpose(1, 2)
+        return apply_rope(q, layout=layout) @ apply_rope(k, layout=layout).transpose(-2, -1)
+
+    wq2, wk2 = nn.Linear(d_model, d_model, bias=bias), nn.Linear(d_model, d_model, bias=bias)
+    with torch.no_grad():
+        for new, old in ((wq2, wq), (wk2, wk)):
+            new.weight.copy_(permute_rope_weight(old.weight, h))
+            if bias:
+                new.bias.copy_(permute_rope_weight(old.bias, h))
+        ref = scores(wq, wk, "interleaved")
+        torch.testing.assert_close(scores(wq2, wk2, "half"), ref, atol=1e-5, rtol=0)
+        # without the permutation the half layout gives other scores
+        assert (scores(wq, wk, "half") - ref).abs().max() > 1e-2
+        # and the way back restores the original weights exactly
+        assert torch.equal(permute_rope_weight(wq2.weight, h, to="interleaved"), wq.weight)
+
+
+def test_rope_layout_bad_inputs():
+    with pytest.raises(ValueError, match="layout"):
+        apply_rope(torch.randn(3, 4), layout="halves")
+    with pytest.raises(ValueError, match="layout"):
+        RotaryEmbedding(4, layout="rotate_half")
+    assert permute_rope_weight(torch.randn(12, 5), 3).shape == (12, 5)  # d_k = 4 is fine
+    with pytest.raises(ValueError, match=r"num_heads=5 and d_k even, got \(12, 5\)"):
+        permute_rope_weight(torch.randn(12, 5), 5)  # 12 does not split into 5 heads
+    with pytest.raises(ValueError, match=r"d_k even"):
+        permute_rope_weight(torch.randn(6, 5), 2)   # d_k = 3 is odd
+    with pytest.raises(ValueError, match="even"):
+        rope_permutation(5)
+    with pytest.raises(ValueError, match="to must be"):
+        rope_permutation(4, to="x")

@@ -49,6 +49,49 @@ def test_token_cross_entropy_ignores_padding():
         token_cross_entropy(logits[0], targets[0])
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("ignore_index", [PAD, -100])
+def test_label_smoothing_matches_torch(eps, ignore_index):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(1, 6, (3, 4))
+    targets[0, 2:] = ignore_index
+    targets[2, 1:] = ignore_index
+    ours = token_cross_entropy(logits, targets, ignore_index, label_smoothing=eps)
+    theirs = nn.functional.cross_entropy(logits.reshape(-1, 6), targets.reshape(-1),
+                                         ignore_index=ignore_index, label_smoothing=eps)
+    assert torch.allclose(ours, theirs, atol=1e-12)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    (g_theirs,) = torch.autograd.grad(theirs, logits)
+    assert torch.allclose(g_ours, g_theirs, atol=1e-12)
+    assert g_ours[targets == ignore_index].abs().max() == 0     # ignored positions: no gradient
+
+
+def test_label_smoothing_formula_and_floor():
+    eps, vocab = 0.1, 5
+    logits = torch.randn(2, 3, vocab, dtype=torch.float64)
+    targets = torch.tensor([[1, 2, 3], [4, 1, PAD]])
+    keep = targets != PAD
+    log_p = logits[keep].log_softmax(-1)
+    q = torch.full_like(log_p, eps / vocab)
+    q[torch.arange(len(q)), targets[keep]] += 1 - eps                # the smoothed target
+    expected = -(q * log_p).sum(-1).mean()
+    assert torch.allclose(token_cross_entropy(logits, targets, label_smoothing=eps), expected)
+    # The loss is smallest when the model predicts q itself, and that minimum is q's entropy.
+    best = torch.zeros(1, 1, vocab, dtype=torch.float64)
+    best[0, 0] = q[0].log()
+    entropy = -(q[0] * q[0].log()).sum()
+    floor = token_cross_entropy(best, targets[:1, :1], label_smoothing=eps)
+    assert torch.allclose(floor, entropy) and floor > 0.3
+    sharper = best * 2                                                # more confident than q
+    assert token_cross_entropy(sharper, targets[:1, :1], label_smoothing=eps) > floor
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="label_smoothing"):
+            token_cross_entropy(logits, targets, label_smoothing=bad)
+    with pytest.raises(TypeError, match="label_smoothing"):
+        token_cross_entropy(logits, targets, label_smoothing="0.1")
+
+
 def test_token_accuracy_and_exact_match():
     logits = torch.zeros(1, 4, 5)
     logits[0, torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0

@@ -28,6 +28,7 @@ from utils.transformer import (
     count_parameters,
     encoder_layer_flops,
     expand_mask,
+    share_layers,
     transformer_param_breakdown,
     transformer_param_count,
 )
@@ -492,3 +493,36 @@ def test_encoder_layer_flops_match_flop_counter(length):
     assert f["attention_scores"] == 4 * length**2 * d
     with pytest.raises(ValueError):
         encoder_layer_flops(0, d, ff)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_share_layers_is_one_layer_applied_n_times(norm_first):
+    torch.manual_seed(0)
+    enc = share_layers(Encoder(4, 16, 4, 32, dropout=0.0, norm_first=norm_first, final_norm=True))
+    assert all(layer is enc.layers[0] for layer in enc.layers)
+    one_layer = count_parameters(enc.layers[0])
+    assert count_parameters(enc) == one_layer + 2 * 16                 # + the final norm
+    assert count_parameters(Encoder(4, 16, 4, 32, final_norm=True)) == 4 * one_layer + 2 * 16
+    x, pad = torch.randn(2, 5, 16), padding_mask([5, 3], 5)
+    h = x
+    for _ in range(4):
+        h = enc.layers[0](h, pad)
+    assert torch.equal(enc(x, pad), enc.norm(h))
+    # The gradient of a shared weight is the sum over its four applications: nonzero, finite.
+    enc(x, pad).sum().backward()
+    grad = enc.layers[0].ff.linear1.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert share_layers(enc) is enc and count_parameters(enc) == one_layer + 2 * 16
+
+
+def test_share_layers_decoder_and_bad_input():
+    torch.manual_seed(0)
+    dec = share_layers(Decoder(3, 16, 4, 32, dropout=0.0))
+    y, memory = torch.randn(2, 4, 16), torch.randn(2, 6, 16)
+    h = y
+    for _ in range(3):
+        h = dec.layers[0](h, memory, causal_mask(4))
+    assert torch.equal(dec(y, memory, causal_mask(4)), h)
+    assert count_parameters(dec) == count_parameters(dec.layers[0])
+    with pytest.raises(TypeError, match="stack"):
+        share_layers(EncoderLayer(16, 4, 32))

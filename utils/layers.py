@@ -229,7 +229,11 @@ class PositionwiseFeedForward(nn.Module):
         d_model: input and output width.
         d_ff: hidden width (4 * d_model in the original Transformer; for a gated activation,
             `gated_ffn_width` gives the width with the same number of parameters).
-        dropout: dropout on the hidden activations during training.
+        dropout: dropout on the hidden activations during training, after the activation and
+            before ``linear2``, where `torch.nn.TransformerEncoderLayer` puts its ``dropout``.
+            The dropout that the original Transformer applies to each sublayer's output before
+            the residual addition is not part of this module; the layer adds it
+            (`utils.transformer`).
         activation: "relu", "gelu", "glu", "reglu", "geglu" or "swiglu".
         bias: whether the projections have biases.
 

@@ -8,7 +8,10 @@ the same way. This module holds the three ways the book gives a model a sense of
 - `LearnedPositionalEmbedding`: one trained vector per position, added the same way;
 - `apply_rope` (and the module `RotaryEmbedding`): rotary position embedding, which rotates the
   queries and keys instead of adding anything, so that their dot product depends only on the
-  offset between the two positions.
+  offset between the two positions. Two layouts of the feature pairs are in use: "interleaved",
+  pairs (x_0, x_1), (x_2, x_3), ... as in the RoFormer paper, and "half", pairs
+  (x_i, x_{i + d/2}) with ``rotate_half`` as in the Hugging Face Llama and GPT-NeoX code.
+  `rope_permutation` and `permute_rope_weight` convert between them.
 
 It also has `TokenEmbedding` (token vectors scaled by sqrt(d_model)) and `sinusoidal_shift_matrix`,
 the fixed linear map that takes PE(t) to PE(t + k).
@@ -26,6 +29,7 @@ from torch import nn
 from ._validation import (
     InputTypeError,
     require_bool,
+    require_choice,
     require_floating,
     require_int,
     require_integer_ids,
@@ -48,7 +52,12 @@ __all__ = [
     "rope_angles",
     "apply_rope",
     "RotaryEmbedding",
+    "ROPE_LAYOUTS",
+    "rope_permutation",
+    "permute_rope_weight",
 ]
+
+ROPE_LAYOUTS = ("interleaved", "half")
 
 
 def _require_even(name: str, value: object) -> int:
@@ -218,9 +227,12 @@ class LearnedPositionalEmbedding(nn.Module):
 class TokenEmbedding(nn.Module):
     """Token ids to vectors, multiplied by sqrt(d_model) as in "Attention Is All You Need".
 
-    The scale brings embeddings initialised with standard deviation 1 / sqrt(d_model) (as when
-    they are tied to the output layer) up to the size of the positional encoding's entries, so
-    that neither drowns the other when they are added.
+    The paper states the scale (section 3.4) but gives no reason for it. A plausible one, not the
+    paper's: with the table initialised with standard deviation 1 / sqrt(d_model), as here,
+    token vectors have norm about 1 and the scale brings them to about sqrt(d_model), the order
+    of the sinusoidal encoding's norm sqrt(d_model / 2). That only holds for this
+    initialisation; with `nn.Embedding`'s default (standard deviation 1) the scale makes the
+    tokens about sqrt(2 d_model) times larger than the encoding.
 
     Args:
         vocab_size: number of tokens, a positive int.
@@ -282,20 +294,95 @@ def _require_positions(positions: object) -> torch.Tensor:
     return positions
 
 
+def _require_layout(layout: object) -> str:
+    return require_choice("layout", layout, ROPE_LAYOUTS)
+
+
+def rope_permutation(dim: int, to: str = "half") -> torch.Tensor:
+    """The feature order that turns one RoPE layout into the other, for vectors of width dim.
+
+    With ``p = rope_permutation(d)``, ``x[..., p]`` puts the interleaved pair k = (x_2k, x_2k+1)
+    at features (k, k + d/2), where the half layout expects it: p = [0, 2, 4, ..., d - 2,
+    1, 3, ..., d - 1]. Hence, for every x and positions,
+    ``apply_rope(x[..., p], layout="half") == apply_rope(x, layout="interleaved")[..., p]``.
+    ``rope_permutation(d, to="interleaved")`` is the inverse permutation.
+
+    Args:
+        dim: the width d of the rotated vectors (d_k per head), a positive even int.
+        to: the layout to convert to, "half" (from interleaved) or "interleaved" (from half).
+
+    Returns:
+        (dim,) int64 index tensor, a permutation of 0 .. dim - 1.
+
+    Raises:
+        InputTypeError, ValueError: for a ``dim`` that is not a positive even int, or an unknown
+            ``to``.
+    """
+    dim = _require_even("dim", dim)
+    to = require_choice("to", to, ROPE_LAYOUTS)
+    perm = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+    return perm if to == "half" else torch.argsort(perm)
+
+
+def permute_rope_weight(weight: torch.Tensor, num_heads: int, to: str = "half") -> torch.Tensor:
+    """Reorder a query or key projection so that one RoPE layout gives the other's scores.
+
+    ``weight`` is stored as `nn.Linear` stores it, one row per output feature: shape
+    (num_heads * d_k, d_in), head after head (in the book's row-vector notation these rows are the
+    columns of W_Q or W_K). The rows of every head are permuted by `rope_permutation` (d_k, to),
+    so that the projection of the new weight, rotated in the ``to`` layout, is the old projection
+    rotated in the other layout with its features permuted; dot products, hence attention
+    scores, are unchanged when W_Q and W_K are both converted. A bias of shape
+    (num_heads * d_k,) is converted by the same call. This is the conversion the Hugging Face
+    script applies to Meta's Llama checkpoints (interleaved) for its half-layout code.
+
+    Args:
+        weight: (num_heads * d_k, ...) tensor, e.g. ``linear.weight`` or ``linear.bias``.
+        num_heads: the number of heads h; the first dim must split into h heads of even width.
+        to: "half" (from interleaved) or "interleaved" (from half).
+
+    Returns:
+        A new tensor of the same shape, dtype and device.
+
+    Raises:
+        InputTypeError: for a weight that is not a tensor or a num_heads that is not an int.
+        ValueError: if the weight has no dims, or its first dim is not num_heads times an even
+            d_k, or ``to`` is unknown.
+    """
+    require_tensor("weight", weight)
+    num_heads = require_int("num_heads", num_heads)
+    to = require_choice("to", to, ROPE_LAYOUTS)
+    if weight.dim() == 0 or weight.shape[0] % num_heads != 0 or (weight.shape[0] // num_heads) % 2:
+        raise ValueError(
+            f"weight must have shape (num_heads * d_k, ...) with num_heads={num_heads} and d_k "
+            f"even, got {shape_str(weight)}"
+        )
+    d_k = weight.shape[0] // num_heads
+    perm = rope_permutation(d_k, to).to(weight.device)
+    heads = weight.reshape(num_heads, d_k, *weight.shape[1:])
+    return heads[:, perm].reshape(weight.shape).clone()
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
-               base: float = 10000.0) -> torch.Tensor:
+               base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
     """Rotary position embedding (RoPE): rotate each pair of features by a position's angle.
 
-    Features (2k, 2k + 1) of the vector at position t are rotated by the angle t * w_k,
-    w_k = base^(-2k / d). Because rotations compose, the dot product of a query rotated for position
-    m and a key rotated for position n depends on m - n only (and on the unrotated vectors).
-    Applied to queries and keys, never to values.
+    Pair k of the vector at position t, (a, b), becomes (a cos - b sin, a sin + b cos) of the
+    angle t * w_k, w_k = base^(-2k / d): a counter-clockwise rotation, written for a column vector
+    (a, b)^T as in the RoFormer paper. In the book's row-vector notation that is x -> x R_t^T =
+    x R_{-t}, with R_t = `sinusoidal_shift_matrix` (t, d) in the interleaved layout, so the score
+    of a query at m and a key at n is q R_{n-m} k^T: it depends on n - m only. Apply it to queries
+    and keys, never to values.
 
     Args:
         x: (..., L, d) vectors, for instance queries of shape (B, h, L, d_k); d must be even.
         positions: the position of each of the L vectors, shape (L,) or broadcastable to
             (..., L); defaults to 0, 1, ..., L - 1.
         base: the wavelength scale (10000 in the RoFormer paper).
+        layout: which features form pair k: "interleaved", (x_2k, x_2k+1) as in the RoFormer
+            paper and `sinusoidal_encoding`; or "half", (x_k, x_{k + d/2}) as in the
+            ``rotate_half`` code of Hugging Face's Llama and GPT-NeoX. `permute_rope_weight`
+            converts projection weights from one to the other.
 
     Returns:
         A tensor of the same shape and dtype as ``x`` (empty when x is: L = 0 or B = 0).
@@ -304,12 +391,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
         InputTypeError: if x is not a floating-point tensor, or positions are not a real tensor
             on x's device.
         ValueError: if x has fewer than 2 dims, an odd last dim, positions of the wrong shape or
-            with NaN, or a bad ``base``.
+            with NaN, a bad ``base`` or an unknown ``layout``.
     """
     require_tensor("x", x)
     require_rank("x", x, "(..., L, d)", min_rank=2)
     require_floating("x", x)
     _require_base(base)
+    _require_layout(layout)
     length, d = x.shape[-2], x.shape[-1]
     if d % 2 != 0:
         raise ValueError(
@@ -338,6 +426,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
         )
     cos = torch.cos(theta).to(x.dtype)
     sin = torch.sin(theta).to(x.dtype)
+    if layout == "half":
+        first, second = x[..., : d // 2], x[..., d // 2:]  # pair k is (x_k, x_{k + d/2})
+        return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
     x1, x2 = x[..., 0::2], x[..., 1::2]  # the two coordinates of every pair
     out = torch.empty_like(x)
     out[..., 0::2] = x1 * cos - x2 * sin
@@ -351,21 +442,23 @@ class RotaryEmbedding(nn.Module):
     Args:
         dim: the width d of the vectors it rotates (d_k per head); must be even.
         base: as in `apply_rope`.
+        layout: "interleaved" (default) or "half", as in `apply_rope`.
 
     Shapes:
         (..., L, dim) -> (..., L, dim); ``forward(x, positions=None)``.
     """
 
-    def __init__(self, dim: int, base: float = 10000.0):
+    def __init__(self, dim: int, base: float = 10000.0, layout: str = "interleaved"):
         super().__init__()
         self.dim = _require_even("dim", dim)
         self.base = _require_base(base)
+        self.layout = _require_layout(layout)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         require_tensor("x", x)
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (..., L, dim={self.dim}), got {shape_str(x)}")
-        return apply_rope(x, positions, self.base)
+        return apply_rope(x, positions, self.base, self.layout)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}"
+        return f"dim={self.dim}, base={self.base}, layout={self.layout!r}"

@@ -260,14 +260,26 @@ def _check_scored(logits: object, targets: object, ignore_index: object) -> torc
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                        ignore_index: int = PAD) -> torch.Tensor:
+                        ignore_index: int = PAD, label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy over the positions whose target is not ``ignore_index``.
+
+    With ``label_smoothing`` = eps > 0 the target of a position is no longer the one-hot vector
+    of its token y but q = (1 - eps) onehot(y) + eps / V (Szegedy et al., 2016), and the loss
+    of the position is the cross-entropy against q:
+
+        -sum_k q_k log p_k = (1 - eps) (-log p_y) + eps * mean_k(-log p_k),
+
+    the ordinary loss plus eps times the cross-entropy against the uniform distribution. It is
+    minimal, at the entropy of q rather than at 0, when p = q. This is the definition of
+    ``torch.nn.functional.cross_entropy(..., label_smoothing=eps)``; positions whose target is
+    ``ignore_index`` are left out, as without smoothing.
 
     Args:
         logits: (B, L, V) floating-point unnormalised scores.
         targets: (B, L) integer ids in [0, V), on ``logits``' device; ``ignore_index``
             (``PAD``) marks positions without a loss.
         ignore_index: an int (it may lie outside [0, V), such as torch's -100).
+        label_smoothing: eps, a real number in [0, 1]; 0 (the default) is the plain loss.
 
     Returns:
         A scalar tensor (with a gradient when ``logits`` has one). NaN or inf in ``logits``
@@ -276,13 +288,20 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     Raises:
         ValueError: when no position is scored (every target is ``ignore_index``, or B = 0 or
             L = 0): a mean over nothing has no value, and torch would return NaN. Also for a
-            scored target outside [0, V) and for mismatched shapes; `InputTypeError` for
-            logits that are not floating point, targets that are not integers, or tensors on
-            different devices.
+            scored target outside [0, V), for mismatched shapes and for a ``label_smoothing``
+            outside [0, 1]; `InputTypeError` for logits that are not floating point, targets
+            that are not integers, a ``label_smoothing`` that is not a real number, or tensors
+            on different devices.
     """
-    _check_scored(logits, targets, ignore_index)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
-                           ignore_index=int(ignore_index))
+    scored = _check_scored(logits, targets, ignore_index)
+    eps = require_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    if eps == 0.0:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
+                               ignore_index=int(ignore_index))
+    log_p = logits[scored].log_softmax(dim=-1)                       # (n, V), scored only
+    nll = -log_p.gather(-1, targets[scored].long()[:, None])[:, 0]   # -log p_y, (n,)
+    uniform = -log_p.mean(dim=-1)                                    # mean_k -log p_k, (n,)
+    return ((1.0 - eps) * nll + eps * uniform).mean()
 
 
 def token_accuracy(logits: torch.Tensor, targets: torch.Tensor,

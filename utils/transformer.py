@@ -78,6 +78,7 @@ __all__ = [
     "Encoder",
     "Decoder",
     "Transformer",
+    "share_layers",
     "count_parameters",
     "transformer_param_breakdown",
     "transformer_param_count",
@@ -780,6 +781,28 @@ class Transformer(nn.Module):
         new.encoder = Encoder.from_torch(module.encoder)
         new.decoder = Decoder.from_torch(module.decoder)
         return _finish_copy(new, module)
+
+
+def share_layers(stack: Encoder | Decoder) -> Encoder | Decoder:
+    """Make every layer of ``stack`` one and the same module, its first layer; in place.
+
+    This is cross-layer parameter sharing, as in ALBERT (Lan et al., 2020) and the Universal
+    Transformer (Dehghani et al., 2019): the stack still runs N layers, but they all hold the
+    first layer's weights, so it stores the parameters of one layer (plus the final norm, if
+    any) instead of N. The output is the first layer applied N times, then the final norm; the
+    compute is unchanged. The weights the other layers held are dropped. Gradients of the
+    shared weights add up the contributions of every application.
+
+    Args:
+        stack: an `Encoder` or a `Decoder` (also one already shared: nothing changes).
+
+    Returns:
+        ``stack`` itself, so that ``share_layers(Encoder(...))`` reads as a constructor.
+    """
+    _require_module("stack", stack, _Stack)
+    first = stack.layers[0]
+    stack.layers = nn.ModuleList([first] * stack.num_layers)
+    return stack
 
 
 # --------------------------------------------------------------------------------------------
