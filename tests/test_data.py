@@ -15,6 +15,7 @@ from utils.data import (
     Seq2SeqBatch,
     SortingTask,
     Vocab,
+    bert_mask_tokens,
     pad_sequences,
 )
 from utils.masks import padding_mask
@@ -176,3 +177,72 @@ def test_missing_digit_held_out_is_by_unmasked_sequence():
     b = next(task.batches(40, seed=0, exclude=held_out))
     full = torch.where(b.targets != PAD, b.targets, b.inputs)
     assert not any(row.tolist() == word for row in full)
+
+
+def test_num_problems_and_length_of():
+    assert [MissingDigitTask(4, 6).num_problems(n) for n in (4, 5, 6)] == [24, 120, 720]
+    assert SortingTask(3, 8, distinct=True).num_problems(3) == 720  # 10 * 9 * 8 ordered prompts
+    assert SortingTask(2, 4).num_problems(2) == 100
+    assert ReversalTask(1, 3, num_symbols=3).num_problems(3) == 27
+    for task in (MissingDigitTask(4, 10), SortingTask(3, 8, distinct=True), ReversalTask()):
+        for ex in task.sample(50, seed=0):
+            n = task.length_of(ex)
+            assert task.min_len <= n <= task.max_len
+        with pytest.raises(ValueError, match="length"):
+            task.num_problems(task.max_len + 1)
+    assert SortingTask().length_of(((BOS, 5, 3, 4, 13), (3, 4, 5, EOS))) == 3
+
+
+def test_sample_max_share_caps_every_length():
+    task = MissingDigitTask(min_len=4, max_len=10)
+    plain = task.sample(1000, seed=1)
+    lengths = [task.length_of(ex) for ex in plain]
+    assert lengths.count(4) > 20  # without a cap, nearly all 24 sequences of length 4 are taken
+    capped = task.sample(1000, seed=1, max_share=0.2)
+    assert len(capped) == 1000
+    lengths = [task.length_of(ex) for ex in capped]
+    for n in range(4, 11):
+        assert 0 < lengths.count(n) <= int(0.2 * task.num_problems(n))
+    assert lengths.count(4) == 4 and lengths.count(5) == 24
+    # Training can still draw every length.
+    b = next(task.batches(256, seed=0, exclude=capped))
+    assert set(b.mask.sum(1).tolist()) == set(range(4, 11))
+    with pytest.raises(ValueError, match="max_share"):
+        task.sample(10, seed=0, max_share=0.0)
+    with pytest.raises(ValueError, match="allows only"):
+        MissingDigitTask(min_len=4, max_len=5).sample(100, seed=0, max_share=0.5)
+
+
+def test_bert_mask_tokens_rule():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 13, (400, 100), generator=g)
+    mask_id, vocab_size = 13, 14
+    inputs, targets, kind = bert_mask_tokens(tokens, mask_id, vocab_size, generator=g)
+    assert inputs.shape == targets.shape == kind.shape == tokens.shape
+    chosen = kind > 0
+    assert abs(chosen.float().mean().item() - 0.15) < 0.01
+    shares = torch.bincount(kind[chosen], minlength=4)[1:].float() / chosen.sum()
+    assert torch.allclose(shares, torch.tensor([0.8, 0.1, 0.1]), atol=0.02)
+    assert (inputs[kind == 1] == mask_id).all()
+    assert ((inputs[kind == 2] >= 3) & (inputs[kind == 2] < 13)).all()  # an ordinary token
+    assert torch.equal(inputs[kind == 3], tokens[kind == 3])
+    assert torch.equal(inputs[kind == 0], tokens[kind == 0])
+    assert torch.equal(targets[chosen], tokens[chosen]) and (targets[~chosen] == PAD).all()
+    # Specials are never chosen; a 1-dim sequence works too; the generator fixes the draw.
+    row = torch.tensor([BOS, 5, 6, 7, EOS, PAD])
+    _, _, k = bert_mask_tokens(row, mask_id, vocab_size, select_prob=1.0)
+    assert k[[0, 4, 5]].tolist() == [0, 0, 0] and (k[1:4] > 0).all()
+    a = bert_mask_tokens(tokens, mask_id, vocab_size, generator=torch.Generator().manual_seed(3))
+    b = bert_mask_tokens(tokens, mask_id, vocab_size, generator=torch.Generator().manual_seed(3))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_bert_mask_tokens_errors():
+    with pytest.raises(TypeError, match="tokens"):
+        bert_mask_tokens([3, 4], 13, 14)
+    with pytest.raises(TypeError, match="integer"):
+        bert_mask_tokens(torch.ones(3), 13, 14)
+    with pytest.raises(ValueError, match="mask_id"):
+        bert_mask_tokens(torch.tensor([3, 4]), 14, 14)
+    with pytest.raises(ValueError, match="select_prob"):
+        bert_mask_tokens(torch.tensor([3, 4]), 13, 14, select_prob=1.5)

@@ -16,7 +16,15 @@ padding masks in the book's bool convention: True = a real token (see `utils.mas
 
 Held-out data: ``task.sample(n, seed)`` draws ``n`` distinct examples, and ``task.batches(...,
 exclude=held_out)`` never yields an example whose input is in ``held_out``, so that a test set
-measures generalisation, not memory.
+measures generalisation, not memory. Short lengths have few distinct problems (4 digits can be
+shuffled in only 24 ways), so a plain draw of many test examples can take nearly all of them and
+leave training none of that length: ``sample(..., max_share=0.2)`` takes at most a fifth of the
+problems of each length (`_Task.num_problems`), so that every length stays in both sets, and
+`_Task.length_of` gives the length of an example, to count or score the lengths separately.
+
+`bert_mask_tokens` is BERT's masking rule (of the chosen positions, 80% become ``<mask>``, 10% a
+random token, 10% stay), for the chapter's comparison with the simpler rule of
+`MissingDigitTask`.
 
 Every count (lengths, sizes, ``n``, ``batch_size``, ``seed``, ``pad_to``) must be an int (not a
 bool, not a float such as 2.0) in its range, and token ids must be integers: anything else
@@ -27,6 +35,7 @@ stream). Nothing is rounded or truncated in silence.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._validation import InputTypeError, require_bool, require_int, type_name
+from ._validation import InputTypeError, require_bool, require_int, require_real, type_name
 
 __all__ = [
     "PAD",
@@ -49,6 +58,7 @@ __all__ = [
     "ReversalTask",
     "SortingTask",
     "MissingDigitTask",
+    "bert_mask_tokens",
 ]
 
 PAD, BOS, EOS = 0, 1, 2
@@ -298,18 +308,43 @@ def _require_pairs(examples: object) -> None:
 class _Task:
     """Shared sampling machinery: distinct examples, and endless batches that avoid a held-out set.
 
-    A subclass defines ``vocab`` and ``_draw(generator) -> (key, example)``, where ``key`` is the
+    A subclass defines ``vocab``, ``_draw(generator) -> (key, example)``, where ``key`` is the
     hashable input that identifies the example (two examples with the same key are the same
-    problem).
+    problem), ``_key_length(key)`` (the length of the problem) and ``num_problems(length)``.
     """
 
     vocab: Vocab
+    min_len: int
+    max_len: int
 
     def _draw(self, g: torch.Generator) -> tuple[tuple[int, ...], object]:
         raise NotImplementedError
 
-    def _draw_many(self, n: int, g: torch.Generator, exclude: set, distinct: bool) -> list:
+    def num_problems(self, length: int) -> int:  # pragma: no cover - per task
+        """How many distinct problems (keys) of ``length`` the task has."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _key_length(key: tuple[int, ...]) -> int:
+        return len(key)
+
+    def length_of(self, example: Sequence) -> int:
+        """The length of an example as returned by `sample` (digits or symbols, no specials)."""
+        _require_pairs([example])
+        (key,) = self._keys([example])
+        return self._key_length(key)
+
+    def _require_length(self, length: object) -> int:
+        length = require_int("length", length, minimum=0)
+        if not self.min_len <= length <= self.max_len:
+            raise ValueError(f"length must lie in [min_len, max_len] = [{self.min_len}, "
+                             f"{self.max_len}], got {length}")
+        return length
+
+    def _draw_many(self, n: int, g: torch.Generator, exclude: set, distinct: bool,
+                   cap: dict[int, int] | None = None) -> list:
         out, seen, tries = [], set(), 0
+        taken = dict.fromkeys(cap, 0) if cap else {}
         while len(out) < n:
             tries += 1
             if tries > 100 * n + 1000:
@@ -317,6 +352,11 @@ class _Task:
             key, example = self._draw(g)
             if key in exclude or (distinct and key in seen):
                 continue
+            if cap:
+                length = self._key_length(key)
+                if taken[length] >= cap[length]:
+                    continue
+                taken[length] += 1
             seen.add(key)
             out.append(example)
         return out
@@ -335,7 +375,8 @@ class _Task:
             _require_pairs(exclude)
         return self._keys(exclude)
 
-    def sample(self, n: int, seed: int, exclude: Iterable = ()) -> list:
+    def sample(self, n: int, seed: int, exclude: Iterable = (),
+               max_share: float | None = None) -> list:
         """``n`` distinct examples drawn with ``seed`` (for a held-out test set).
 
         Args:
@@ -343,14 +384,28 @@ class _Task:
             seed: seed of the generator, an int >= 0, so that the same call gives the same
                 examples.
             exclude: examples (as returned by `sample`) whose inputs must not appear.
+            max_share: None (no limit), or a number in (0, 1]: take at most
+                ``floor(max_share * num_problems(length))`` problems of each length, so that a
+                test set never takes (nearly) all the problems of a short length and leaves
+                training without them. Draws of a length already full are skipped, so the
+                lengths are no longer equally frequent.
 
         Raises:
-            ValueError: also when the task has fewer than ``n`` distinct examples left.
+            ValueError: also when the task has fewer than ``n`` distinct examples left (within
+                the share).
         """
         n = require_int("n", n)
         seed = require_int("seed", seed, minimum=0)
+        cap = None
+        if max_share is not None:
+            max_share = require_real("max_share", max_share, low=0.0, high=1.0, low_open=True)
+            cap = {k: math.floor(max_share * self.num_problems(k))
+                   for k in range(self.min_len, self.max_len + 1)}
+            if sum(cap.values()) < n:
+                raise ValueError(f"max_share={max_share} allows only {sum(cap.values())} "
+                                 f"problems in all, fewer than n={n}")
         g = torch.Generator().manual_seed(seed)
-        return self._draw_many(n, g, self._exclude_keys(exclude), distinct=True)
+        return self._draw_many(n, g, self._exclude_keys(exclude), distinct=True, cap=cap)
 
     def batches(self, batch_size: int, seed: int, exclude: Iterable = (),
                 pad_to: int = 0) -> Iterator:
@@ -407,6 +462,10 @@ class ReversalTask(_Task):
         src = tuple(_randint(len(SPECIALS), len(self.vocab) - 1, g, size=n))
         return src, (src, src[::-1])
 
+    def num_problems(self, length: int) -> int:
+        """``num_symbols ** length`` sources of that length."""
+        return self.num_symbols ** self._require_length(length)
+
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> Seq2SeqBatch:
         """(source, target) pairs -> a padded `Seq2SeqBatch`; an empty list raises."""
@@ -456,6 +515,18 @@ class SortingTask(_Task):
     @staticmethod
     def _keys(examples):
         return {tuple(p) for p, _ in examples}
+
+    @staticmethod
+    def _key_length(key):
+        return len(key) - 2  # without <bos> and >
+
+    def num_problems(self, length: int) -> int:
+        """Prompts of ``length`` digits: ``num_digits ** length``, or with distinct digits
+        ``num_digits! / (num_digits - length)!`` (the order of the prompt counts)."""
+        length = self._require_length(length)
+        if self.distinct:
+            return math.perm(self.num_digits, length)
+        return self.num_digits ** length
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> LMBatch:
@@ -509,6 +580,10 @@ class MissingDigitTask(_Task):
         return {tuple(y if y != PAD else x for x, y in zip(xs, ys, strict=True))
                 for xs, ys in examples}
 
+    def num_problems(self, length: int) -> int:
+        """``length!`` orders of the digits 0 to length - 1 (whichever one is hidden)."""
+        return math.factorial(self._require_length(length))
+
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
                 pad_to: int = 0) -> MLMBatch:
         """(inputs, targets) pairs of equal lengths -> a padded `MLMBatch`; an empty list
@@ -521,3 +596,61 @@ class MissingDigitTask(_Task):
         inputs, mask = pad_sequences([x for x, _ in examples], pad_to=pad_to)
         targets, _ = pad_sequences([y for _, y in examples], max_len=inputs.shape[1])
         return MLMBatch(inputs, targets, mask)
+
+
+def bert_mask_tokens(tokens: torch.Tensor, mask_id: int, vocab_size: int,
+                     generator: torch.Generator | None = None, select_prob: float = 0.15,
+                     num_specials: int = len(SPECIALS),
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT's masking rule: choose positions, then hide 80% of them, randomize 10%, keep 10%.
+
+    Each position of ``tokens`` is chosen with probability ``select_prob``. A chosen position
+    becomes ``mask_id`` with probability 0.8, a token drawn uniformly from the ordinary tokens
+    (ids ``num_specials`` to ``vocab_size - 1``, ``mask_id`` excluded; it may happen to be the
+    original token) with probability 0.1, and keeps its token with probability 0.1. Special
+    tokens (ids below ``num_specials``) are never chosen. The model is scored at every chosen
+    position, so it cannot learn that only ``<mask>`` needs predicting, and it sees ``<mask>``,
+    which never occurs in real text, less often.
+
+    Args:
+        tokens: (B, L) or (L,) integer ids.
+        mask_id: the id of ``<mask>``, an int in [0, vocab_size).
+        vocab_size: V, an int.
+        generator: a `torch.Generator` for reproducible draws.
+        select_prob: the share of positions chosen, a number in [0, 1].
+        num_specials: ids below this (``<pad>``, ``<bos>``, ``<eos>``) are never chosen nor drawn.
+
+    Returns:
+        ``(inputs, targets, kind)``, each shaped like ``tokens``: the corrupted ids; the original
+        id at chosen positions and ``PAD`` elsewhere; and ``kind`` (int64): 0 not chosen,
+        1 replaced by ``<mask>``, 2 replaced by a random token, 3 chosen but unchanged.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2):
+        raise InputTypeError(f"tokens must be a (B, L) or (L,) tensor of ids, got "
+                             f"{type_name(tokens)}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise InputTypeError(f"tokens must hold integer ids, got dtype {tokens.dtype}")
+    vocab_size = require_int("vocab_size", vocab_size)
+    mask_id = require_int("mask_id", mask_id, minimum=0)
+    num_specials = require_int("num_specials", num_specials, minimum=0)
+    if mask_id >= vocab_size:
+        raise ValueError(f"mask_id must lie in [0, vocab_size={vocab_size}), got {mask_id}")
+    ordinary = [i for i in range(num_specials, vocab_size) if i != mask_id]
+    if not ordinary:
+        raise ValueError(f"no ordinary token to draw: vocab_size={vocab_size}, "
+                         f"num_specials={num_specials}")
+    select_prob = require_real("select_prob", select_prob, low=0.0, high=1.0)
+    u = torch.rand(tokens.shape, generator=generator)
+    chosen = (torch.rand(tokens.shape, generator=generator) < select_prob) & (
+        tokens >= num_specials)
+    kind = torch.zeros(tokens.shape, dtype=torch.long)
+    kind[chosen & (u < 0.8)] = 1
+    kind[chosen & (u >= 0.8) & (u < 0.9)] = 2
+    kind[chosen & (u >= 0.9)] = 3
+    pick = torch.randint(len(ordinary), tokens.shape, generator=generator)
+    random_ids = torch.tensor(ordinary, dtype=torch.long)[pick]
+    inputs = tokens.long().clone()
+    inputs[kind == 1] = mask_id
+    inputs[kind == 2] = random_ids[kind == 2]
+    targets = torch.where(chosen, tokens.long(), torch.full_like(inputs, PAD))
+    return inputs, targets, kind
