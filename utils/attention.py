@@ -541,7 +541,7 @@ def memory_efficient_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
-    block_size: int | tuple[int, int] = 128,
+    block_size: int | tuple[int, int] = 256,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d_k)) v computed block by block, never holding an L_q x L_k matrix.
 
@@ -563,6 +563,8 @@ def memory_efficient_attention(
             sliced tile by tile, never expanded to its full size.
         block_size: the tile size, one positive int for queries and keys, or a pair
             ``(block_q, block_k)``. It need not divide L_q or L_k (the last block is shorter).
+            Larger tiles mean fewer Python steps and larger matrix products, smaller ones less
+            memory; 256 was the fastest of 128, 256 and 512 on a CPU at L = 4096, d_k = 64.
 
     Returns:
         The output (..., L_q, d_v), equal to ``scaled_dot_product_attention(q, k, v, mask)[0]``
@@ -686,7 +688,7 @@ def local_attention(
     pad_kv = (0, 0, left, right + padded - length)
     k_slabs = F.pad(k, pad_kv).unfold(-2, span, b)  # (..., n_blocks, d_k, span): K^T per slab
     v_slabs = F.pad(v, pad_kv).unfold(-2, span, b).transpose(-2, -1)  # (..., n_blocks, span, d_v)
-    scores = q_blocks @ k_slabs / math.sqrt(q.shape[-1])  # (..., n_blocks, b, span)
+    scores = (q_blocks / math.sqrt(q.shape[-1])) @ k_slabs  # (..., n_blocks, b, span)
 
     # Query r of block n sits at n * b + r; key c of its slab at n * b + c - left.
     r = torch.arange(b, device=q.device)[:, None]
@@ -697,11 +699,14 @@ def local_attention(
     in_range = (key_pos >= 0) & (key_pos < length)
     allowed = band[None, :, :] & in_range[:, None, :]  # (n_blocks, b, span)
 
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    # Padding queries past L may have no key in range; give them zeros instead of NaN.
+    # In place: the matrix product's backward needs its inputs, not its output.
+    scores.masked_fill_(~allowed, float("-inf"))
+    # A padding query past L may have no key in range; fill its row with zeros instead of -inf
+    # so that the softmax gives no NaN. Its output is cut off below. Every real query has at
+    # least itself, so its weights outside the band are exactly exp(-inf) = 0.
     has_key = allowed.any(dim=-1, keepdim=True)
-    scores = scores.masked_fill(~has_key, 0.0)
-    weights = torch.softmax(scores, dim=-1) * allowed
+    scores.masked_fill_(~has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1)
     out = weights @ v_slabs  # (..., n_blocks, b, d_v)
     return out.flatten(-3, -2)[..., :length, :]
 
