@@ -3,6 +3,7 @@
     python scripts/benchmark.py                      # -> _build/bench/benchmark.md and .json
     python scripts/benchmark.py --quick              # tiny sizes, a few seconds (the smoke test)
     python scripts/benchmark.py --device cuda --repeats 10 --out DIR/bench.md
+    python scripts/benchmark.py --threads 1          # torch.set_num_threads(1) first
 
 Every row times one of the book's functions and its PyTorch counterpart in the same run, on the
 same inputs, device and number of threads: the median of ``--repeats`` runs after one warm-up
@@ -77,7 +78,7 @@ FULL = {
     "mha": [(8, 128, 256, 8), (4, 512, 256, 8), (1, 2048, 128, 4)],  # (B, L, d_model, h)
     "sdpa": {"length": 4096, "heads": 4, "d_k": 64, "block": 256},
     "local": {"lengths": [1024, 2048, 4096], "window": 64, "heads": 4, "d_k": 64},
-    "generate": {"batch": 4, "prompt": 16, "new_tokens": 64, "d_model": 128, "layers": 2},
+    "generate": {"batch": 4, "prompt": 16, "new_tokens": 32, "d_model": 128, "layers": 2},
     "repeats": 5,
 }
 QUICK = {
@@ -324,19 +325,21 @@ def bench_generate(sizes: dict, device: torch.device, repeats: int) -> list[dict
                           max_len=s["prompt"] + s["new_tokens"]).to(device).eval()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, vocab, (s["batch"], s["prompt"]), generator=g).tolist()
-    # An end token the model never sees in the prompts; generation may still stop early.
-    kw = {"max_new_tokens": s["new_tokens"]}
+    # Greedy with an untrained model: a row may stop early at <eos>; both runs stop alike.
+    tokens = {}
+
+    def run(use_cache: bool) -> None:
+        tokens[use_cache] = decoding.generate(model, prompts, s["new_tokens"], use_cache=use_cache)
+
+    repeats = min(repeats, 3)  # the slowest row: at most 3 timed runs, to keep `make bench` short
     with torch.no_grad():
-        t_ours = median_time(lambda: decoding.generate(model, prompts, use_cache=True, **kw),
-                             device, repeats)
-        t_ref = median_time(lambda: decoding.generate(model, prompts, use_cache=False, **kw),
-                            device, repeats)
-        same = (decoding.generate(model, prompts, use_cache=True, **kw)
-                == decoding.generate(model, prompts, use_cache=False, **kw))
+        t_ours = median_time(partial(run, True), device, repeats)
+        t_ref = median_time(partial(run, False), device, repeats)
+    same = tokens[True] == tokens[False]
     case = (f"B={s['batch']}, prompt {s['prompt']}, up to {s['new_tokens']} new tokens, "
             f"d={s['d_model']}, {s['layers']} layers")
     return [_row("(d) generate", case, "generate(use_cache=True)", "generate(use_cache=False)",
-                 t_ours, t_ref, note=f"greedy; same tokens: {same}")]
+                 t_ours, t_ref, note=f"greedy, median of {repeats}; same tokens: {same}")]
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -414,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per figure (default 5, 2 with --quick)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own choice); on a busy machine "
+                             "fewer threads than cores give steadier times")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="the Markdown table; the JSON goes beside it (default "
                              "_build/bench/benchmark.md)")
@@ -431,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats if args.repeats is not None else sizes["repeats"]
     if repeats < 1:
         parser.error(f"--repeats must be at least 1, got {repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
     meta = {
