@@ -78,7 +78,8 @@ execute: venv
 	$(PY) tests/execute_notebooks.py $(or $(NB),book)
 
 # Speed and memory of the attention code, each a ratio against PyTorch's counterpart, into
-# _build/bench/benchmark.md and .json (BENCH_ARGS="--quick", "--device cuda", "--repeats 9", "--threads 1").
+# _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--device cuda", "--repeats 9",
+# "--threads 1" (steadier times on a busy machine), "--out FILE.md".
 bench: venv
 	$(PY) scripts/benchmark.py $(BENCH_ARGS)
 
