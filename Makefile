@@ -25,7 +25,7 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
-	browser-deps execute lint clean grade
+	browser-deps execute bench lint clean grade
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,12 @@ serve: book
 # Re-execute notebooks in place (all of them, or NB=book/01_attention.ipynb) and print their times.
 execute: venv
 	$(PY) tests/execute_notebooks.py $(or $(NB),book)
+
+# Speed and memory of the attention code, each a ratio against PyTorch's counterpart, into
+# _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--device cuda", "--repeats 9",
+# "--threads 1" (steadier times on a busy machine), "--out FILE.md".
+bench: venv
+	$(PY) scripts/benchmark.py $(BENCH_ARGS)
 
 # Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
 assignments: venv

@@ -1,0 +1,306 @@
+"""Tests of the fast attention functions of utils.attention: `memory_efficient_attention` (blocks
+and the online softmax) and `local_attention` (banded attention in O(L * window)).
+
+Both are compared with the plain `scaled_dot_product_attention`, itself tested against PyTorch in
+tests/test_attention_sdpa.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from utils.attention import (
+    local_attention,
+    memory_efficient_attention,
+    scaled_dot_product_attention,
+)
+from utils.masks import causal_mask, local_mask
+
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def _qkv(batch, l_q, l_k, d_k, d_v, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*batch, l_q, d_k, generator=g, dtype=dtype)
+    k = torch.randn(*batch, l_k, d_k, generator=g, dtype=dtype)
+    v = torch.randn(*batch, l_k, d_v, generator=g, dtype=dtype)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def _plain(q, k, v, mask=None):
+    return scaled_dot_product_attention(q, k, v, mask)[0]
+
+
+def _mask(kind, batch, l_q, l_k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "causal":
+        i = torch.arange(l_q)[:, None]
+        return i + (l_k - l_q) >= torch.arange(l_k)[None, :]  # (L_q, L_k), bottom-right aligned
+    if kind == "padding":
+        lengths = torch.randint(1, l_k + 1, (batch[0],), generator=g)
+        pad = torch.arange(l_k)[None, :] < lengths[:, None]  # (B, L_k)
+        return pad.reshape(batch[0], *([1] * (len(batch) - 1)), 1, l_k)
+    if kind == "random":
+        return torch.rand(*batch, l_q, l_k, generator=g) > 0.6
+    if kind == "empty_rows":
+        mask = torch.rand(*batch, l_q, l_k, generator=g) > 0.5
+        mask[..., ::3, :] = False  # every third query sees no key at all
+        return mask
+    if kind == "late_key":
+        # rows 0..L_q-1 see only the LAST key: every earlier key block is fully masked for them
+        mask = torch.zeros(l_q, l_k, dtype=torch.bool)
+        mask[:, -1] = True
+        mask[1::2, :] = False  # and half the rows see nothing at all
+        return mask
+    if kind == "keys_only":
+        return torch.rand(l_k, generator=g) > 0.3  # (L_k,): one row for every query
+    raise AssertionError(kind)
+
+
+SHAPES = [
+    # batch, L_q, L_k, d_k, d_v
+    ((), 1, 1, 1, 1),
+    ((2,), 7, 7, 4, 4),
+    ((2, 3), 33, 17, 8, 5),
+    ((1, 2), 64, 64, 16, 16),
+    ((3, 1), 50, 129, 8, 12),
+]
+MASKS = [None, "causal", "padding", "random", "empty_rows", "late_key", "keys_only"]
+BLOCKS = [1, 4, 16, (5, 7), (64, 3), 128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_memory_efficient_matches_plain(shape, mask_kind, dtype):
+    batch, l_q, l_k, d_k, d_v = shape
+    if mask_kind == "padding" and not batch:
+        pytest.skip("a padding mask needs a batch axis")
+    q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, dtype=dtype)
+    mask = _mask(mask_kind, batch, l_q, l_k)
+    expected = _plain(q, k, v, mask)
+    for block in BLOCKS:
+        out = memory_efficient_attention(q, k, v, mask, block_size=block)
+        assert out.shape == expected.shape and out.dtype == dtype
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0,
+                                   msg=f"block_size={block}")
+
+
+def test_memory_efficient_random_shapes():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(25):
+        dims = torch.randint(1, 4, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g)
+        batch = tuple(int(x) for x in dims)
+        l_q, l_k = (int(x) for x in torch.randint(1, 90, (2,), generator=g))
+        d_k, d_v = (int(x) for x in torch.randint(1, 20, (2,), generator=g))
+        q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, seed=trial)
+        mask = torch.rand(*batch, l_q, l_k, generator=g) > float(torch.rand(1, generator=g))
+        block = int(torch.randint(1, 40, (1,), generator=g))
+        torch.testing.assert_close(memory_efficient_attention(q, k, v, mask, block_size=block),
+                                   _plain(q, k, v, mask), atol=1e-5, rtol=0)
+
+
+def test_memory_efficient_broadcast_batch_dims():
+    q, _, _ = _qkv((2, 4), 10, 12, 8, 8)
+    _, k, v = _qkv((1, 4), 10, 12, 8, 8, seed=3)
+    mask = torch.rand(2, 1, 1, 12) > 0.3
+    torch.testing.assert_close(memory_efficient_attention(q, k, v, mask, block_size=3),
+                               _plain(q, k, v, mask), atol=1e-5, rtol=0)
+
+
+def test_memory_efficient_fully_masked_rows_are_zero():
+    q, k, v = _qkv((2,), 9, 11, 4, 3)
+    mask = torch.zeros(9, 11, dtype=torch.bool)
+    mask[4:, 10] = True  # rows 0..3 see nothing; 4..8 only the last key (the last key block)
+    out = memory_efficient_attention(q, k, v, mask, block_size=2)
+    assert not out.isnan().any()
+    assert (out[:, :4] == 0).all()
+    torch.testing.assert_close(out[:, 4:], v[:, 10:11].expand(2, 5, 3), atol=1e-6, rtol=0)
+
+
+def test_memory_efficient_degenerate_sizes():
+    q, k, v = _qkv((2,), 5, 0, 4, 3)
+    assert (memory_efficient_attention(q, k, v) == 0).all()
+    q, k, v = _qkv((2,), 0, 6, 4, 3)
+    assert memory_efficient_attention(q, k, v).shape == (2, 0, 3)
+    q, k, v = _qkv((0,), 5, 6, 4, 3)
+    assert memory_efficient_attention(q, k, v).shape == (0, 5, 3)
+
+
+def test_memory_efficient_large_scores_do_not_overflow():
+    q, k, v = _qkv((1,), 20, 30, 4, 4)
+    q = q * 300  # scores in the thousands: exp without the running maximum would overflow
+    mask = causal_mask(30)[-20:]
+    out = memory_efficient_attention(q, k, v, mask, block_size=4)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _plain(q, k, v, mask), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "causal", "random", "empty_rows", "late_key"])
+@pytest.mark.parametrize("block", [3, (16, 5), 64])
+def test_memory_efficient_gradients_match_plain(mask_kind, block):
+    batch = (2, 2)
+    q, k, v = _qkv(batch, 21, 19, 6, 5, dtype=torch.float64, grad=True)
+    mask = _mask(mask_kind, batch, 21, 19)
+    g = torch.randn(*batch, 21, 5, dtype=torch.float64)
+    grads_plain = torch.autograd.grad((_plain(q, k, v, mask) * g).sum(), (q, k, v))
+    out = memory_efficient_attention(q, k, v, mask, block_size=block)
+    grads_fast = torch.autograd.grad((out * g).sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads_fast, grads_plain, strict=True):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"grad of {name}")
+
+
+def test_memory_efficient_gradcheck():
+    q, k, v = _qkv((1,), 5, 7, 3, 2, dtype=torch.float64, grad=True)
+    mask = torch.rand(5, 7) > 0.4
+    mask[0] = False
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: memory_efficient_attention(q, k, v, mask, block_size=2), (q, k, v)
+    )
+
+
+def test_memory_efficient_never_builds_a_full_score_matrix():
+    """No tensor made inside the call has L_q * L_k elements or more (only tiles)."""
+    l_q, l_k, block = 96, 80, 16
+    q, k, v = _qkv((2,), l_q, l_k, 8, 8)
+    mask = torch.rand(1, l_q, l_k) > 0.3  # the caller's mask is not counted
+    sizes = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.data_ptr() != mask.data_ptr():
+                sizes.append((func, tuple(out.shape)))
+            return out
+
+    with Spy():
+        memory_efficient_attention(q, k, v, mask, block_size=block)
+    tiles = [s for f, s in sizes if len(s) >= 2 and s[-2:] == (block, block)]
+    assert tiles, "expected (block_q, block_k) score tiles"
+    too_big = [(f, s) for f, s in sizes
+               if len(s) >= 2 and s[-1] > block and s[-2] > block and s[-1] * s[-2] >= l_q * l_k]
+    assert not too_big
+
+
+def test_memory_efficient_errors():
+    q, k, v = _qkv((2,), 4, 5, 3, 3)
+    with pytest.raises(ValueError, match="block_size"):
+        memory_efficient_attention(q, k, v, block_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        memory_efficient_attention(q, k, v, block_size=(2, 3, 4))
+    with pytest.raises(ValueError, match="d_k"):
+        memory_efficient_attention(q, k[..., :2], v)
+    with pytest.raises(ValueError, match="mask"):
+        memory_efficient_attention(q, k, v, torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool"):
+        memory_efficient_attention(q, k, v, torch.ones(4, 5))
+    with pytest.raises(TypeError, match="dtype"):
+        memory_efficient_attention(q, k.double(), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 16, 17, 40, 200])
+@pytest.mark.parametrize("batch,length,d_k,d_v", [
+    ((), 1, 3, 2), ((2,), 9, 4, 4), ((2, 3), 37, 8, 5), ((1, 2), 64, 16, 16), ((3,), 100, 5, 7),
+])
+def test_local_matches_masked_plain(batch, length, d_k, d_v, window, causal, dtype):
+    q, k, v = _qkv(batch, length, length, d_k, d_v, dtype=dtype, seed=window)
+    expected = _plain(q, k, v, local_mask(length, window, causal))
+    out = local_attention(q, k, v, window, causal=causal)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0)
+
+
+def test_local_random_shapes():
+    g = torch.Generator().manual_seed(11)
+    for trial in range(25):
+        batch = tuple(int(x) for x in torch.randint(1, 4, (int(torch.randint(0, 3, (1,),
+                                                                              generator=g)),),
+                                                    generator=g))
+        length = int(torch.randint(1, 150, (1,), generator=g))
+        window = int(torch.randint(0, 70, (1,), generator=g))
+        causal = bool(torch.rand(1, generator=g) < 0.5)
+        q, k, v = _qkv(batch, length, length, 8, 6, seed=trial)
+        torch.testing.assert_close(local_attention(q, k, v, window, causal),
+                                   _plain(q, k, v, local_mask(length, window, causal)),
+                                   atol=1e-5, rtol=0)
+
+
+def test_local_gradients_match_masked_plain():
+    q, k, v = _qkv((2,), 40, 40, 4, 3, dtype=torch.float64, grad=True)
+    for causal in (False, True):
+        mask = local_mask(40, 6, causal)
+        g = torch.randn(2, 40, 3, dtype=torch.float64)
+        want = torch.autograd.grad((_plain(q, k, v, mask) * g).sum(), (q, k, v))
+        got = torch.autograd.grad((local_attention(q, k, v, 6, causal) * g).sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_local_scores_grow_as_l_times_window():
+    """The largest tensor made inside the call grows linearly in L, not as L**2."""
+    window = 8
+
+    def largest(length):
+        q, k, v = _qkv((1,), length, length, 4, 4)
+        biggest = 0
+
+        class Spy(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                nonlocal biggest
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor):
+                    biggest = max(biggest, out.numel())
+                return out
+
+        with Spy():
+            local_attention(q, k, v, window)
+        return biggest
+
+    small, large = largest(256), largest(1024)
+    assert large <= 4 * small + 64  # linear: 4x the length, at most 4x the memory
+    assert large < 1024 * 1024 // 8
+
+
+def test_local_errors():
+    q, k, v = _qkv((2,), 6, 6, 3, 3)
+    with pytest.raises(ValueError, match="window"):
+        local_attention(q, k, v, -1)
+    with pytest.raises(TypeError):
+        local_attention(q, k, v, 1.5)
+    with pytest.raises(TypeError):
+        local_attention(q, k, v, 2, causal="yes")
+    q2, k2, v2 = _qkv((2,), 6, 7, 3, 3)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        local_attention(q2, k2, v2, 2)
+
+
+def test_local_empty():
+    q, k, v = _qkv((0, 2), 5, 5, 3, 4)
+    assert local_attention(q, k, v, 2).shape == (0, 2, 5, 4)
+    q, k, v = _qkv((2,), 0, 0, 3, 4)
+    assert local_attention(q, k, v, 2).shape == (2, 0, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fast_attention_on_cuda():
+    q, k, v = (t.cuda() for t in _qkv((2, 2), 50, 50, 8, 8))
+    mask = torch.rand(50, 50, device="cuda") > 0.5
+    out = memory_efficient_attention(q, k, v, mask, block_size=16)
+    assert out.device == q.device
+    torch.testing.assert_close(out, _plain(q, k, v, mask), atol=1e-5, rtol=0)
+    out = local_attention(q, k, v, 5, causal=True)
+    assert out.device == q.device
+    torch.testing.assert_close(out, _plain(q, k, v, local_mask(50, 5, True, device="cuda")),
+                               atol=1e-5, rtol=0)
