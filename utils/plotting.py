@@ -305,7 +305,7 @@ _JS = r"""
       var v = w[j];
       if (v > w[best]) { best = j; }
       var a = Math.max(0, Math.min(1, v));
-      s.style.background = "rgba(40, 130, 255, " + (0.85 * a).toFixed(3) + ")";
+      s.style.background = "rgba(40, 130, 255, " + (0.7 * a).toFixed(3) + ")";
       s.style.borderWidth = a > 0.5 ? "2px" : "1px";
       s.lastChild.textContent = v.toFixed(d);
       s.title = "weight " + v.toFixed(d) + " from query " + data.q[state.query]
@@ -464,7 +464,7 @@ def attention_explorer(
     rows = ["<tr><th></th>" + "".join(f'<th scope="col">{esc(t)}</th>' for t in k) + "</tr>"]
     for i, r in enumerate(first):
         cells = "".join(
-            f'<td style="background:rgba(40,130,255,{0.85 * min(max(v, 0.0), 1.0):.2f})">'
+            f'<td style="background:rgba(40,130,255,{0.7 * min(max(v, 0.0), 1.0):.2f})">'
             f"{v:.{decimals}f}</td>" for v in r)
         rows.append(f'<tr><th scope="row">{esc(q[i])}</th>{cells}</tr>')
     parts.append('<div class="tta-static-block"><table class="tta-static">'
