@@ -608,6 +608,203 @@ def test_screenshots_are_saved(visits):
         assert shot.stat().st_size > 20_000, f"{shot} is (nearly) empty"
 
 
+# ----------------------------------------------------------------------------- attention explorers
+# The pages that show utils.plotting.attention_explorer, and how many explorers each one has.
+EXPLORER_PAGES = {
+    "book/03_multi_head_attention": 1,
+    "book/09_transformer": 1,
+    "book/10_model_families": 2,
+}
+
+# Each explorer of the page: its id, its embedded data, and whether its static table is hidden
+# (the script ran) and its interactive view is there.
+READ_EXPLORERS = r"""
+return [...document.querySelectorAll("div.tta")].map((root) => ({
+  id: root.id,
+  data: JSON.parse(root.querySelector("script.tta-data").textContent),
+  staticRows: root.querySelectorAll(".tta-static-block table.tta-static tr").length,
+  staticShown: getComputedStyle(root.querySelector(".tta-static-block")).display !== "none",
+  queries: root.querySelectorAll(".tta-view button.tta-q").length,
+  keys: root.querySelectorAll(".tta-view .tta-k").length,
+}));
+"""
+
+# The weights written under the keys of explorer arguments[0], and the active query's index.
+READ_SHOWN = r"""
+const root = document.getElementById(arguments[0]);
+const active = [...root.querySelectorAll("button.tta-q")].findIndex(
+  (b) => b.classList.contains("tta-on"));
+return {
+  active,
+  weights: [...root.querySelectorAll(".tta-k .tta-w")].map((e) => e.textContent),
+  alphas: [...root.querySelectorAll(".tta-k")].map((e) => {
+    const m = getComputedStyle(e).backgroundColor.match(/rgba?\(([^)]*)\)/);
+    const parts = m ? m[1].split(",").map(Number) : [0, 0, 0, 0];
+    return parts.length > 3 ? parts[3] : 1;
+  }),
+  titles: [...root.querySelectorAll(".tta-k")].map((e) => e.title),
+};
+"""
+
+# Contrast ratios (WCAG) in explorer arguments[0]: a query token's text against the page
+# background behind it, and the most highlighted key's text against its blended background.
+CONTRAST = r"""
+const root = document.getElementById(arguments[0]);
+function rgba(c) {
+  const m = c.match(/rgba?\(([^)]*)\)/);
+  const p = m[1].split(",").map(Number);
+  return p.length > 3 ? p : [...p, 1];
+}
+function behind(e) {   // the first opaque background from e up, else white
+  for (let n = e; n; n = n.parentElement) {
+    const c = rgba(getComputedStyle(n).backgroundColor);
+    if (c[3] > 0.99) return c;
+  }
+  return [255, 255, 255, 1];
+}
+function over(top, base) {
+  const a = top[3];
+  return [0, 1, 2].map((i) => top[i] * a + base[i] * (1 - a)).concat([1]);
+}
+function lum(c) {
+  const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+  return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+}
+function ratio(a, b) {
+  const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p);
+  return (x + 0.05) / (y + 0.05);
+}
+const q = root.querySelector("button.tta-q");
+const page = behind(root);
+const keys = [...root.querySelectorAll(".tta-k")];
+const top = keys.reduce((a, b) =>
+  rgba(getComputedStyle(b).backgroundColor)[3] > rgba(getComputedStyle(a).backgroundColor)[3]
+    ? b : a);
+const keyBg = over(rgba(getComputedStyle(top).backgroundColor), page);
+return {
+  theme: document.documentElement.dataset.theme,
+  page: page,
+  query: ratio(rgba(getComputedStyle(q).color), over(rgba(getComputedStyle(q).backgroundColor),
+                                                   page)),
+  key: ratio(rgba(getComputedStyle(top).color), keyBg),
+};
+"""
+
+
+def _fmt(values: list[float], decimals: int) -> list[str]:
+    return [f"{v:.{decimals}f}" for v in values]
+
+
+def _hover(driver, element) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", element)
+    ActionChains(driver).move_to_element(element).perform()
+
+
+def _static_tables(page: str) -> list[list[str]]:
+    """The numbers of each explorer's static table in the built HTML file (what a reader sees
+    when scripts do not run)."""
+    html = (HTML / f"{page}.html").read_text(encoding="utf-8")
+    tables = re.findall(r'<table class="tta-static">(.*?)</table>', html, re.DOTALL)
+    return [re.findall(r"<td[^>]*>([^<]*)</td>", t) for t in tables]
+
+
+def test_attention_explorers_work_offline(book_url, browser):
+    """Each attention explorer of the book, in Chromium with the network out of reach: hovering
+    a query token shows the stored weights of that query and head under the keys, switching
+    the head (or taking the mean) changes them, the keyboard moves between queries, the static
+    table is in the HTML for readers without scripts, and the text stays readable in dark mode.
+    """
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    for page, count in EXPLORER_PAGES.items():
+        assert (HTML / f"{page}.html").is_file(), f"{page} was not built"
+        # The static fallback: the first head's weights as a table, in the HTML itself.
+        tables = _static_tables(page)
+        assert len(tables) == count, f"{page}: {len(tables)} static tables, expected {count}"
+
+        visit = Visit(name=page, url=urljoin(book_url, f"{page}.html"))
+        browser.get(visit.url)
+        WebDriverWait(browser, 30).until(
+            lambda d: d.execute_script("return document.readyState") == "complete")
+        explorers = browser.execute_script(READ_EXPLORERS)
+        assert len(explorers) == count, f"{page}: {len(explorers)} explorers, expected {count}"
+        for ex, table in zip(explorers, tables, strict=True):
+            data, d = ex["data"], ex["data"]["decimals"]
+            where = f"{page} #{ex['id']}"
+            n_q, n_k, n_h = len(data["q"]), len(data["k"]), len(data["heads"])
+            first = [v for r in data["w"][0][0] for v in r]
+            assert table == _fmt(first, d), f"{where}: the static table is not head 1"
+            assert ex["staticRows"] == n_q + 1, where
+            assert not ex["staticShown"], f"{where}: the script did not replace the table"
+            assert (ex["queries"], ex["keys"]) == (n_q, n_k), where
+
+            root = browser.find_element(By.ID, ex["id"])
+            buttons = root.find_elements(By.CSS_SELECTOR, "button.tta-q")
+            i = n_q // 2
+            _hover(browser, buttons[i])
+            shown = browser.execute_script(READ_SHOWN, ex["id"])
+            assert shown["active"] == i, f"{where}: hovering query {i} did not select it"
+            expected = _fmt(data["w"][0][0][i], d)
+            assert shown["weights"] == expected, f"{where}: query {i}, head 1"
+            assert all(t.startswith(f"weight {w} ") for t, w in
+                       zip(shown["titles"], expected, strict=True)), where
+            best = max(range(n_k), key=lambda j: data["w"][0][0][i][j])
+            assert shown["alphas"][best] == max(shown["alphas"]) > 0, (
+                f"{where}: the largest weight is not the most highlighted key")
+
+            heads = Select(root.find_element(By.CSS_SELECTOR, "select.tta-head"))
+            assert len(heads.options) == n_h + 1, f"{where}: a head selector with the mean"
+            heads.select_by_index(1)
+            _hover(browser, buttons[i])
+            shown = browser.execute_script(READ_SHOWN, ex["id"])
+            assert shown["weights"] == _fmt(data["w"][0][1][i], d), f"{where}: head 2"
+            assert shown["weights"] != expected, f"{where}: switching the head changed nothing"
+
+            if len(data["layers"]) > 1:
+                Select(root.find_element(By.CSS_SELECTOR, "select.tta-layer")).select_by_index(1)
+                _hover(browser, buttons[i])
+                shown = browser.execute_script(READ_SHOWN, ex["id"])
+                assert shown["weights"] == _fmt(data["w"][1][1][i], d), f"{where}: layer 2"
+                Select(root.find_element(By.CSS_SELECTOR, "select.tta-layer")).select_by_index(0)
+
+            heads.select_by_index(n_h)                      # the mean of the heads
+            _hover(browser, buttons[i])
+            shown = browser.execute_script(READ_SHOWN, ex["id"])
+            mean = [sum(data["w"][0][h][i][j] for h in range(n_h)) / n_h for j in range(n_k)]
+            got = [float(v) for v in shown["weights"]]
+            assert max(abs(a - b) for a, b in zip(got, mean, strict=True)) <= 10 ** -d + 1e-9, (
+                f"{where}: the mean of the heads")
+            heads.select_by_index(0)
+
+            # The keyboard: focus a query, then the right arrow moves to the next one.
+            browser.execute_script("arguments[0].focus();", buttons[0])
+            buttons[0].send_keys(Keys.ARROW_RIGHT)
+            shown = browser.execute_script(READ_SHOWN, ex["id"])
+            assert browser.switch_to.active_element == buttons[1], f"{where}: arrow key"
+            assert shown["active"] == 1 and shown["weights"] == _fmt(data["w"][0][0][1], d), where
+
+            for theme in ("light", "dark"):
+                browser.execute_script(
+                    "document.documentElement.dataset.theme = arguments[0];", theme)
+                time.sleep(0.2)  # the theme's colour transitions
+                c = browser.execute_script(CONTRAST, ex["id"])
+                assert c["theme"] == theme, c
+                assert c["query"] >= 4.5, f"{where}, {theme}: query text contrast {c}"
+                assert c["key"] >= 3.0, f"{where}, {theme}: highlighted key contrast {c}"
+            browser.execute_script("document.documentElement.dataset.theme = 'light';")
+
+        time.sleep(0.2)
+        browser.get("about:blank")
+        _drain_network(browser, visit)
+        visit.console = browser.get_log("browser")
+        assert not leaving_requests(visit), f"{page}: requests outside the book"
+        assert not console_errors(visit), f"{page}: console errors {console_errors(visit)}"
+
+
 # ----------------------------------------------------------------------------- the checks can fail
 BROKEN_PAGE = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>broken</title>
