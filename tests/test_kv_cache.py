@@ -223,3 +223,18 @@ def test_cache_lives_on_the_inputs_device():
     src = torch.randint(3, V, (2, 6), device="cuda")
     assert (greedy_decode(s2s, src, src != PAD, 10)
             == greedy_decode(s2s, src, src != PAD, 10, use_cache=False))
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_lm_with_grouped_query_attention_caches_fewer_heads(norm_first):
+    """Layers whose self-attention is grouped-query cache h_kv heads, and decode the same."""
+    model = _lm(4, norm_first, d_model=32, nhead=8)
+    for layer in model.blocks.layers:
+        layer.self_attn = GroupedQueryAttention.from_multi_head(layer.self_attn, 2)
+    prompts = _prompts(4, 4, ragged=True)
+    assert generate(model, prompts, 12) == generate(model, prompts, 12, use_cache=False)
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, V, (4, 9)), cache=cache)
+    assert cache.self_attn[0].k.shape == (4, 2, 9, 4)  # 2 key/value heads of d_k = 32 / 8
+    assert cache.nbytes == kv_cache_bytes(2, 4, 2, 9, 4)

@@ -319,7 +319,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             else:  # each row's newest token, at its own position, into the next slot
                 pos = (lengths - 1)[:, None]  # (B, 1)
                 keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden
-                logits = _last_logits(model(tokens.gather(1, pos), keys, cache=cache,
+                # an all-True mask changes nothing: leave it out (less work per step)
+                mask = None if bool(keys.all()) else keys
+                logits = _last_logits(model(tokens.gather(1, pos), mask, cache=cache,
                                             positions=pos), b, 0)
             tok = next_token(logits, temperature, generator)
             live = ~done

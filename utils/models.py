@@ -83,6 +83,17 @@ def _causal_after(past: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None]
 
 
+def _self_mask(past: int, length: int, pad: torch.Tensor | None, cache: DecoderCache | None,
+               device: torch.device) -> torch.Tensor | None:
+    """The causal self-attention mask (1 or B, L, past + L), with the (B, past + L) padding mask
+    ``pad`` if given. None for one new token fed to a cache without padding: it may see every
+    position, and skipping an all-True mask saves work at every step of generation."""
+    if cache is not None and length == 1 and pad is None:
+        return None
+    attn = _causal_after(past, length, device)
+    return attn if pad is None else attn & pad[:, None, :]
+
+
 def _check_cache(cache: object, tokens: torch.Tensor) -> DecoderCache:
     if not isinstance(cache, DecoderCache):
         raise InputTypeError(f"cache must be a DecoderCache (from the model's new_cache()) or "
@@ -284,9 +295,7 @@ class Seq2SeqTransformer(nn.Module):
         _check_input("memory", memory, self.transformer, "(B, L_s, d_model)")
         _check_same_batch("tgt", tgt, "memory", memory)
         _check_pad_mask("src_mask", src_mask, memory, tuple(memory.shape[:2]))
-        self_mask = _causal_after(past, tgt.shape[1], tgt.device)  # (1, L_t, past + L_t)
-        if tgt_mask is not None:
-            self_mask = self_mask & tgt_mask[:, None, :]
+        self_mask = _self_mask(past, tgt.shape[1], tgt_mask, cache, tgt.device)
         cross = None if src_mask is None else src_mask[:, None, :]
         positions = None
         if cache is not None:
@@ -361,9 +370,7 @@ class DecoderOnlyLM(nn.Module):
         elif positions is not None:
             raise ValueError("positions are only taken together with a cache")
         _check_pad_mask("mask", mask, tokens, (tokens.shape[0], past + tokens.shape[1]))
-        attn = _causal_after(past, tokens.shape[1], tokens.device)  # (1, L, past + L)
-        if mask is not None:
-            attn = attn & mask[:, None, :]
+        attn = _self_mask(past, tokens.shape[1], mask, cache, tokens.device)
         if cache is not None and positions is None:
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
         return self.head(self.blocks(self.embed(tokens, positions), attn, cache=cache))
