@@ -8,6 +8,7 @@ attend to this key", broadcastable to (..., L_q, L_k).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,126 @@ def _check_heads(d_model: object, num_heads: object, dropout: object, bias: obje
     require_bool("bias", bias)
 
 
+@dataclass
+class KVCache:
+    """The keys and values one attention layer has computed for past positions.
+
+    Generating text one token at a time, a decoder would otherwise recompute the keys and values of
+    the whole prefix at every step. With a cache, each step projects only the new positions and
+    appends them here; the queries of the new positions attend to everything stored.
+
+    Attributes:
+        k, v: (B, h_kv, L_past, d_k) tensors, or None while the cache is empty. ``h_kv`` is the
+            number of key/value heads: ``num_heads`` for `MultiHeadAttention`, ``num_kv_heads``
+            for `GroupedQueryAttention` (a smaller cache).
+        max_len: the most positions the cache may hold (None: no limit); appending beyond it
+            raises a `ValueError`.
+        static: a cache of keys and values computed once and then only read: the encoder's
+            memory seen by cross-attention. The first call fills it, later calls reuse it.
+
+    The tensors live where the first appended keys live (the inputs' device and dtype).
+    """
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    max_len: int | None = None
+    static: bool = False
+
+    @property
+    def length(self) -> int:
+        """L_past, the number of positions stored (0 when empty)."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int | None:
+        """B of the stored tensors, None while empty."""
+        return None if self.k is None else self.k.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values: 2 * B * h_kv * L_past * d_k * bytes per number."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+    def memory_bytes(self) -> int:
+        """The same as `nbytes`."""
+        return self.nbytes
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values of new positions; return all of them, past and new.
+
+        Args:
+            k, v: (B, h_kv, L_new, d_k), with the B, h_kv, d_k, dtype and device of what is
+                stored already.
+
+        Returns:
+            ``(k, v)``, each (B, h_kv, L_past + L_new, d_k).
+
+        Raises:
+            ValueError: for shapes that do not fit the stored ones (another batch size, say),
+                for growing past ``max_len``, or for appending to a filled ``static`` cache.
+        """
+        require_tensor("k", k)
+        require_tensor("v", v)
+        require_rank("k", k, "(B, h_kv, L_new, d_k)", rank=4)
+        if v.shape != k.shape:
+            raise ValueError(f"k and v must have the same shape (B, h_kv, L_new, d_k), got "
+                             f"k {shape_str(k)} and v {shape_str(v)}")
+        if self.k is None:
+            if self.max_len is not None and k.shape[2] > self.max_len:
+                raise ValueError(f"the cache holds at most max_len={self.max_len} positions, "
+                                 f"got {k.shape[2]} at once")
+            self.k, self.v = k, v
+            return k, v
+        if self.static:
+            raise ValueError("this cache is static (cross-attention keys and values, computed "
+                             "once); it cannot grow")
+        b, h, _, d = self.k.shape
+        if (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+            raise ValueError(f"the cache holds keys of shape (B={b}, h_kv={h}, L_past, d_k={d}), "
+                             f"got new keys {shape_str(k)}: the batch size, heads and d_k of "
+                             f"every step must be those of the first")
+        if k.dtype != self.k.dtype:
+            raise InputTypeError(f"the cache holds {self.k.dtype} keys, got {k.dtype}")
+        require_same_device(cache=self.k, k=k, v=v)
+        if self.max_len is not None and self.length + k.shape[2] > self.max_len:
+            raise ValueError(f"the cache holds {self.length} positions; {k.shape[2]} more would "
+                             f"exceed max_len={self.max_len}")
+        self.k = torch.cat([self.k, k], dim=2)
+        self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def _cached_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor, heads: int,
+               cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project ``key``/``value`` into (B, heads, L, d_k), through ``cache`` when there is one:
+    a filled static cache is read without projecting anything; any other is appended to."""
+    if cache is not None and not isinstance(cache, KVCache):
+        raise InputTypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
+    if cache is not None and cache.static and cache.k is not None:
+        if cache.k.shape[0] != key.shape[0] or cache.k.shape[2] != key.shape[1]:
+            raise ValueError(f"the static cache holds keys {shape_str(cache.k)} for a memory of "
+                             f"(B={cache.k.shape[0]}, L_s={cache.k.shape[2]}), got key "
+                             f"{shape_str(key)}")
+        return cache.k, cache.v
+    b, length, _ = key.shape
+    k = module.w_k(key).view(b, length, heads, module.d_k).transpose(1, 2)
+    v = module.w_v(value).view(b, length, heads, module.d_k).transpose(1, 2)
+    return (k, v) if cache is None else cache.append(k, v)
+
+
+def _read_cached_mask(mask: object, query: torch.Tensor, l_k: int,
+                      num_heads: int) -> torch.Tensor | None:
+    """`_read_mask` for keys of length ``l_k`` (the cached ones included)."""
+    full = expand_mask(mask, query.shape[0], query.shape[1], l_k)
+    if full is None:
+        return None
+    if full.shape[1] not in (1, num_heads):
+        raise ValueError(f"mask of shape {shape_str(mask)} has {full.shape[1]} heads but the "
+                         f"attention has h={num_heads}")
+    require_same_device(query=query, mask=full)
+    return full
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch first, as in "Attention Is All You Need".
 
@@ -239,6 +360,7 @@ class MultiHeadAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -256,6 +378,12 @@ class MultiHeadAttention(nn.Module):
                 * 3 dims: broadcastable to (B, L_q, L_k), the same for every head;
                 * 4 dims: broadcastable to (B, h, L_q, L_k).
 
+                With a cache, L_k counts the cached positions too (L_past + L_k).
+            cache: optional `KVCache` for incremental decoding. The keys and values of ``key`` and
+                ``value`` (the new positions only) are appended to it and the queries attend to
+                all the stored ones; a filled ``static`` cache is used as it is (``key`` and
+                ``value`` are then only checked).
+
         Returns:
             (B, L_q, d_model). A query with no allowed key (every key masked, or L_k = 0) gets
             zero attention weights, so its output is W_O's bias (zero without biases), never NaN.
@@ -267,10 +395,14 @@ class MultiHeadAttention(nn.Module):
             ValueError: for shapes that do not fit, or a mask that is ambiguous or does not fit.
         """
         _check_qkv(self, query, key, value)
-        mask = _read_mask(mask, query, key, self.num_heads)
+        if cache is None:
+            mask = _read_mask(mask, query, key, self.num_heads)
+            k = self.split_heads(self.w_k(key))
+            v = self.split_heads(self.w_v(value))
+        else:
+            k, v = _cached_kv(self, key, value, self.num_heads, cache)
+            mask = _read_cached_mask(mask, query, k.shape[2], self.num_heads)
         q = self.split_heads(self.w_q(query))
-        k = self.split_heads(self.w_k(key))
-        v = self.split_heads(self.w_v(value))
         p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
         self.attn_weights = weights.detach()
@@ -396,18 +528,24 @@ class GroupedQueryAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Attend from ``query`` to ``key``/``value``.
 
         The arguments, the mask rule (a (B, L_k) padding mask, an (L_q, L_k) shared mask, the
-        ambiguous B == L_q case raising, 3- and 4-dim masks), the degenerate cases and the errors
+        ambiguous B == L_q case raising, 3- and 4-dim masks), the cache (which here stores only
+        the ``num_kv_heads`` key/value heads: a smaller cache), the degenerate cases and the errors
         are those of `MultiHeadAttention.forward`. Returns (B, L_q, d_model).
         """
         _check_qkv(self, query, key, value)
-        mask = _read_mask(mask, query, key, self.num_heads)
+        if cache is None:
+            mask = _read_mask(mask, query, key, self.num_heads)
+            k = self._split(self.w_k(key), self.num_kv_heads)  # (B, h_kv, L_k, d_k)
+            v = self._split(self.w_v(value), self.num_kv_heads)
+        else:  # the cache stores the h_kv heads, before they are repeated
+            k, v = _cached_kv(self, key, value, self.num_kv_heads, cache)
+            mask = _read_cached_mask(mask, query, k.shape[2], self.num_heads)
         q = self._split(self.w_q(query), self.num_heads)  # (B, h, L_q, d_k)
-        k = self._split(self.w_k(key), self.num_kv_heads)  # (B, h_kv, L_k, d_k)
-        v = self._split(self.w_v(value), self.num_kv_heads)
         # Each key/value head serves group_size consecutive query heads.
         k = k.repeat_interleave(self.group_size, dim=1)  # (B, h, L_k, d_k)
         v = v.repeat_interleave(self.group_size, dim=1)

@@ -7,14 +7,26 @@ Two ways to pick the next token from the logits at the last position:
   distribution towards greedy, T > 1 flattens it towards uniform.
 
 Both work on a whole batch at once; a sequence that has produced ``<eos>`` is finished and stops
-growing while the others go on. Nothing is cached: each step runs the decoder over the whole prefix,
-which is wasteful but simple and fast enough for the book's small models.
+growing while the others go on.
+
+Two ways to run the model, chosen by ``use_cache``, give the same tokens:
+
+* ``use_cache=False``: each step runs the decoder over the whole prefix again. Simple, and the
+  work per step grows with the prefix: O(L^2) token-positions for L tokens.
+* ``use_cache=True`` (the default): a key/value cache (`utils.transformer.DecoderCache`) keeps,
+  for every layer, the keys and values of the positions already processed; each step feeds only
+  the new token, at its own absolute position, and its queries attend to the cached keys. An
+  encoder-decoder's cross-attention projects the memory once. The logits agree with the
+  recomputing path to rounding (about 1e-6 in float32), and the tokens are the same.
+  A model without ``new_cache()`` (a model not from `utils.models`) is run the recomputing way.
 
 Models are used through these calls:
 
 * encoder-decoder: ``model.encode(src, src_mask) -> memory`` and
-  ``model.decode(tgt, memory, src_mask) -> logits`` (B, L_t, V);
-* decoder-only: ``model(tokens) -> logits`` (B, L, V), causal.
+  ``model.decode(tgt, memory, src_mask) -> logits`` (B, L_t, V); with a cache,
+  ``model.new_cache()`` and ``model.decode(new_tgt, memory, src_mask, cache=cache)``;
+* decoder-only: ``model(tokens) -> logits`` (B, L, V), causal; with a cache,
+  ``model.new_cache()`` and ``model(new_tokens, mask, cache=cache, positions=positions)``.
 
 A model that has a ``max_len`` attribute (the models of `utils.models` do) is asked for no more
 positions than that: a request that would outgrow it raises before the first step.
@@ -37,6 +49,7 @@ from torch import nn
 from ._validation import (
     InputTypeError,
     eval_mode,
+    require_bool,
     require_bool_mask,
     require_floating,
     require_int,
@@ -48,9 +61,37 @@ from ._validation import (
     shape_str,
     type_name,
 )
+from .attention import KVCache
 from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
+from .transformer import DecoderCache
 
-__all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
+__all__ = ["next_token", "greedy_decode", "sample_decode", "generate", "kv_cache_bytes",
+           "KVCache", "DecoderCache"]
+
+
+def kv_cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, length: int, d_k: int,
+                   dtype: torch.dtype = torch.float32) -> int:
+    """The memory of a self-attention key/value cache, by formula, in bytes.
+
+    2 (keys and values) * num_layers * B * h_kv * L * d_k * (bytes per number of ``dtype``).
+    It grows linearly with the generated length L and the batch, and shrinks with fewer
+    key/value heads (grouped-query attention).
+    """
+    num_layers, batch_size, num_kv_heads, d_k = (
+        require_int(n, v) for n, v in (("num_layers", num_layers), ("batch_size", batch_size),
+                                      ("num_kv_heads", num_kv_heads), ("d_k", d_k)))
+    length = require_int("length", length, minimum=0)
+    if not isinstance(dtype, torch.dtype):
+        raise InputTypeError(f"dtype must be a torch.dtype, got {type_name(dtype)}")
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * batch_size * num_kv_heads * length * d_k * size
+
+
+def _cache_for(model: nn.Module, use_cache: object) -> DecoderCache | None:
+    """A fresh cache when ``use_cache`` and the model offers one (``new_cache()``), else None."""
+    require_bool("use_cache", use_cache)
+    make = getattr(model, "new_cache", None)
+    return make() if use_cache and callable(make) else None
 
 
 def _check_sampling(temperature: object, generator: object) -> float:
@@ -122,7 +163,7 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
 
 def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, max_len: int,
                   temperature: float = 1.0, generator: torch.Generator | None = None,
-                  bos: int = BOS, eos: int = EOS) -> list[list[int]]:
+                  bos: int = BOS, eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
     """Decode a batch with an encoder-decoder model, one token at a time.
 
     Args:
@@ -135,6 +176,9 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
         temperature: 0 for greedy, T > 0 to sample.
         generator: the random generator for sampling.
         bos, eos: the start and end tokens, ints >= 0.
+        use_cache: keep the decoder's keys and values (and the memory's, for cross-attention)
+            and feed only the newest token each step (see the module docstring); False
+            recomputes the whole prefix each step. Both give the same tokens.
 
     Returns:
         B lists of ids: each output up to, not including, its ``<eos>`` (or ``max_len`` tokens
@@ -155,13 +199,18 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
     bos = require_int("bos", bos, minimum=0)
     eos = require_int("eos", eos, minimum=0)
     _check_room(model, max_len, f"max_len={max_len}")
+    cache = _cache_for(model, use_cache)
     b = src.shape[0]
     with eval_mode(model), torch.no_grad():
         memory = model.encode(src, src_mask)
         tgt = torch.full((b, 1), bos, dtype=torch.long, device=src.device)
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
         for _ in range(max_len):
-            logits = _last_logits(model.decode(tgt, memory, src_mask), b, -1)
+            if cache is None:
+                out = model.decode(tgt, memory, src_mask)
+            else:  # only the newest token; the cache holds the keys and values of the others
+                out = model.decode(tgt[:, -1:], memory, src_mask, cache=cache)
+            logits = _last_logits(out, b, -1)
             tok = next_token(logits, temperature, generator)
             tok = torch.where(done, torch.full_like(tok, PAD), tok)
             tgt = torch.cat([tgt, tok[:, None]], dim=1)
@@ -172,9 +221,11 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
 
 
 def greedy_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, max_len: int,
-                  bos: int = BOS, eos: int = EOS) -> list[list[int]]:
-    """`sample_decode` with temperature 0: the most likely token at every step."""
-    return sample_decode(model, src, src_mask, max_len, temperature=0.0, bos=bos, eos=eos)
+                  bos: int = BOS, eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
+    """`sample_decode` with temperature 0: the most likely token at every step (with the
+    key/value cache unless ``use_cache=False``; the tokens are the same)."""
+    return sample_decode(model, src, src_mask, max_len, temperature=0.0, bos=bos, eos=eos,
+                         use_cache=use_cache)
 
 
 def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -201,12 +252,19 @@ def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, generator: torch.Generator | None = None,
-             eos: int = EOS) -> list[list[int]]:
+             eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
     """Continue each prompt with a decoder-only model until ``<eos>`` or ``max_new_tokens``.
 
     Prompts of different lengths share one right-padded batch. Row b's next token is read at its
     own last position, ``length_b - 1``, and written at ``length_b``. No padding mask is needed:
     the causal mask already hides every later position, padding included, from each position.
+
+    With the cache (``use_cache=True``), the first step runs the padded prompts once and fills
+    the cache; every later step feeds each row's newest token at its own position
+    ``length_b - 1``, and its key and value take the next cache slot. A shorter prompt leaves
+    cache slots of padding between its prompt and its new tokens: a key mask hides them. The
+    rows finished by ``<eos>`` keep being fed but hidden, so that the random draws of sampling
+    are those of the recomputing path, and the tokens the same.
 
     Args:
         model: an ``nn.Module``, ``model(tokens)`` -> (B, L, V) logits, causal.
@@ -218,6 +276,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
         temperature: 0 for greedy, T > 0 to sample.
         generator: the random generator for sampling.
         eos: the end token, an int >= 0.
+        use_cache: keep every layer's keys and values and feed only the new tokens (see the
+            module docstring); False recomputes the whole prefix each step. Both give the
+            same tokens.
 
     Returns:
         B lists of the new ids, up to, not including, ``<eos>``. An empty list of prompts
@@ -227,6 +288,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     max_new_tokens = require_int("max_new_tokens", max_new_tokens)
     temperature = _check_sampling(temperature, generator)
     eos = require_int("eos", eos, minimum=0)
+    require_bool("use_cache", use_cache)
     batch = _prompt_batch(prompts)
     if batch is None:
         return []
@@ -242,11 +304,25 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                                            device=device)], dim=1)
     rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    cache = _cache_for(model, use_cache)
     with eval_mode(model), torch.no_grad():
-        for _ in range(max_new_tokens):
-            width = int(lengths.max())
-            # (B, V) at each row's last token
-            logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
+        for step in range(max_new_tokens):
+            if cache is None:
+                width = int(lengths.max())
+                # (B, V) at each row's last token
+                logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
+            elif step == 0:  # the padded prompts, once: slot t of the cache is position t
+                width = tokens.shape[1] - max_new_tokens
+                keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
+                logits = _last_logits(model(tokens[:, :width], keys, cache=cache), b,
+                                      lengths - 1)
+            else:  # each row's newest token, at its own position, into the next slot
+                pos = (lengths - 1)[:, None]  # (B, 1)
+                keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden
+                # an all-True mask changes nothing: leave it out (less work per step)
+                mask = None if bool(keys.all()) else keys
+                logits = _last_logits(model(tokens.gather(1, pos), mask, cache=cache,
+                                            positions=pos), b, 0)
             tok = next_token(logits, temperature, generator)
             live = ~done
             tokens[rows[live], lengths[live]] = tok[live]

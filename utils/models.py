@@ -36,9 +36,8 @@ from ._validation import (
     require_tensor,
     shape_str,
 )
-from .masks import causal_mask
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
-from .transformer import Encoder, Transformer, _check_input, _check_same_batch
+from .transformer import DecoderCache, Encoder, Transformer, _check_input, _check_same_batch
 
 __all__ = ["InputEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
 
@@ -77,9 +76,52 @@ def _check_pad_mask(name: str, mask: object, like: torch.Tensor,
     require_same_device(**{"the input": like, name: mask})
 
 
-def _causal(length: int, device: torch.device) -> torch.Tensor:
-    """The (1, L, L) causal mask, for any L >= 0 (`utils.masks.causal_mask` needs L >= 1)."""
-    return causal_mask(max(length, 1), device=device)[None, :length, :length]
+def _causal_after(past: int, length: int, device: torch.device) -> torch.Tensor:
+    """The (1, L, past + L) causal mask of L new positions that follow ``past`` cached ones
+    (past = 0: the usual (1, L, L) causal mask, for any L >= 0): new position i sees every
+    cached position and the new ones up to itself."""
+    return torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None]
+
+
+def _self_mask(past: int, length: int, pad: torch.Tensor | None, cache: DecoderCache | None,
+               device: torch.device) -> torch.Tensor | None:
+    """The causal self-attention mask (1 or B, L, past + L), with the (B, past + L) padding mask
+    ``pad`` if given. None for one new token fed to a cache without padding: it may see every
+    position, and skipping an all-True mask saves work at every step of generation."""
+    if cache is not None and length == 1 and pad is None:
+        return None
+    attn = _causal_after(past, length, device)
+    return attn if pad is None else attn & pad[:, None, :]
+
+
+def _check_cache(cache: object, tokens: torch.Tensor) -> DecoderCache:
+    if not isinstance(cache, DecoderCache):
+        raise InputTypeError(f"cache must be a DecoderCache (from the model's new_cache()) or "
+                             f"None, got {type(cache).__name__}")
+    if cache.length + tokens.shape[1] > _max_positions(cache):
+        raise ValueError(f"the cache holds {cache.length} positions; {tokens.shape[1]} more "
+                         f"would exceed the model's max_len={_max_positions(cache)}")
+    return cache
+
+
+def _max_positions(cache: DecoderCache) -> int:
+    limit = cache.self_attn[0].max_len if cache.self_attn else None
+    return limit if limit is not None else 2**62
+
+
+def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``positions``: int (L,) or (B, L) absolute positions in [0, max_len) for ``tokens``."""
+    require_tensor("positions", positions)
+    require_integer_ids("positions", positions)
+    b, length = tokens.shape
+    if tuple(positions.shape) not in ((length,), (b, length)):
+        raise ValueError(f"positions must have shape (L,) = ({length},) or (B, L) = "
+                         f"{shape_str(tokens)}, got {shape_str(positions)}")
+    require_same_device(tokens=tokens, positions=positions)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_len):
+        raise ValueError(f"positions must lie in [0, max_len={max_len}), got positions from "
+                         f"{int(positions.min())} to {int(positions.max())}")
+    return positions
 
 
 class InputEmbedding(nn.Module):
@@ -121,11 +163,21 @@ class InputEmbedding(nn.Module):
         """The (V, d_model) embedding table E."""
         return self.tokens.embedding.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, L) ids -> (B, L, d_model) vectors."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) ids -> (B, L, d_model) vectors.
+
+        ``positions``, optional, gives each token's absolute position: an int (L,) tensor shared
+        by the batch or (B, L), each in [0, max_len). The default is 0, 1, ..., L - 1. A decoder
+        fed one new token at a time with a key/value cache passes the position it sits at.
+        """
         _check_tokens("tokens", tokens, self)
         x = self.tokens(tokens)
-        return x if self.positions is None else self.positions(x)
+        if self.positions is None:
+            return x
+        if positions is None:
+            return self.positions(x)
+        positions = _check_positions(positions, tokens, self.max_len)
+        return self.positions.dropout(x + self.positions.pe[positions].to(x.dtype))
 
 
 class _OutputHead(nn.Module):
@@ -214,23 +266,42 @@ class Seq2SeqTransformer(nn.Module):
         pad = None if src_mask is None else src_mask[:, None, :]
         return self.transformer.encode(self.src_embed(src), pad)
 
+    def new_cache(self) -> DecoderCache:
+        """An empty key/value cache for `decode` (self- and cross-attention, every layer)."""
+        return DecoderCache.for_stack(self.transformer.decoder.num_layers, cross_attention=True,
+                                      max_len=self.max_len)
+
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
-               tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+               tgt_mask: torch.Tensor | None = None,
+               cache: DecoderCache | None = None) -> torch.Tensor:
         """Logits (B, L_t, V) for the decoder input ``tgt`` (B, L_t) given the memory.
 
         The decoder's self-attention is causal (and, with ``tgt_mask`` (B, L_t), ignores target
         padding); its cross-attention ignores source padding when ``src_mask`` is given.
+
+        With a ``cache`` (from `new_cache`), ``tgt`` holds only the new target tokens, at
+        positions L_past, L_past + 1, ... after the L_past already in the cache; the logits are
+        those of the new positions, the same as the last L_t rows that a call on the whole
+        prefix would give. ``tgt_mask`` then covers all L_past + L_t positions. The first call
+        also stores the memory's keys and values, reused by every later call: pass the same
+        ``memory`` each time.
         """
         _check_tokens("tgt", tgt, self.tgt_embed)
-        _check_pad_mask("tgt_mask", tgt_mask, tgt)
+        past = 0
+        if cache is not None:
+            _check_cache(cache, tgt)
+            past = cache.length
+        _check_pad_mask("tgt_mask", tgt_mask, tgt, (tgt.shape[0], past + tgt.shape[1]))
         _check_input("memory", memory, self.transformer, "(B, L_s, d_model)")
         _check_same_batch("tgt", tgt, "memory", memory)
         _check_pad_mask("src_mask", src_mask, memory, tuple(memory.shape[:2]))
-        self_mask = _causal(tgt.shape[1], tgt.device)  # (1, L_t, L_t)
-        if tgt_mask is not None:
-            self_mask = self_mask & tgt_mask[:, None, :]
+        self_mask = _self_mask(past, tgt.shape[1], tgt_mask, cache, tgt.device)
         cross = None if src_mask is None else src_mask[:, None, :]
-        y = self.transformer.decode(self.tgt_embed(tgt), memory, self_mask, cross)
+        positions = None
+        if cache is not None:
+            positions = torch.arange(past, past + tgt.shape[1], device=tgt.device)
+        y = self.transformer.decode(self.tgt_embed(tgt, positions), memory, self_mask, cross,
+                                    cache=cache)
         return self.head(y)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
@@ -272,15 +343,37 @@ class DecoderOnlyLM(nn.Module):
         self.blocks = Encoder(num_layers, final_norm=True, **kw)
         self.head = _OutputHead(self.embed, tie_output)
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def new_cache(self) -> DecoderCache:
+        """An empty key/value cache (one per layer) for `forward`, holding up to ``max_len``
+        positions."""
+        return DecoderCache.for_stack(self.blocks.num_layers, max_len=self.max_len)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V). ``mask`` (B, L), True at real tokens, is optional: with right
-        padding the causal mask already keeps every real token from seeing the padding."""
+        padding the causal mask already keeps every real token from seeing the padding.
+
+        Incremental decoding: with a ``cache`` (from `new_cache`) holding L_past positions,
+        ``tokens`` are only the L new tokens; their keys and values are appended to the cache
+        and the logits (B, L, V) are those of the new tokens, equal (to rounding) to the last
+        L rows of a call on the whole sequence. The new tokens sit at positions L_past, ...,
+        L_past + L - 1 unless ``positions`` ((L,) or (B, L) ints) says otherwise; ``mask`` is
+        then (B, L_past + L), True at the cache slots (and new tokens) each row may attend to.
+        Growing the cache past ``max_len`` positions raises a `ValueError`.
+        """
         _check_tokens("tokens", tokens, self.embed)
-        _check_pad_mask("mask", mask, tokens)
-        attn = _causal(tokens.shape[1], tokens.device)  # (1, L, L)
-        if mask is not None:
-            attn = attn & mask[:, None, :]
-        return self.head(self.blocks(self.embed(tokens), attn))
+        past = 0
+        if cache is not None:
+            _check_cache(cache, tokens)
+            past = cache.length
+        elif positions is not None:
+            raise ValueError("positions are only taken together with a cache")
+        _check_pad_mask("mask", mask, tokens, (tokens.shape[0], past + tokens.shape[1]))
+        attn = _self_mask(past, tokens.shape[1], mask, cache, tokens.device)
+        if cache is not None and positions is None:
+            positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
+        return self.head(self.blocks(self.embed(tokens, positions), attn, cache=cache))
 
 
 class EncoderOnlyMLM(nn.Module):

@@ -49,6 +49,8 @@ else is refused before a parameter is copied.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,7 +69,7 @@ from ._validation import (
     require_tensor,
     shape_str,
 )
-from .attention import MultiHeadAttention
+from .attention import KVCache, MultiHeadAttention
 from .layers import LayerNorm, PositionwiseFeedForward
 from .masks import expand_mask
 
@@ -78,6 +80,7 @@ __all__ = [
     "Encoder",
     "Decoder",
     "Transformer",
+    "DecoderCache",
     "share_layers",
     "count_parameters",
     "transformer_param_breakdown",
@@ -394,30 +397,37 @@ class EncoderLayer(_Layer):
     cross_attention = False
     torch_cls = nn.TransformerEncoderLayer
 
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
+                  cache: KVCache | None = None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask, cache=cache))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout2(self.ff(x))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Run the layer.
 
         Args:
             x: (B, L, d_model), with the layer's dtype and device.
             mask: optional bool mask, True = may attend: a (B, L) padding mask, an (L, L) mask,
-                or one broadcastable to (B, L, L) or (B, h, L, L).
+                or one broadcastable to (B, L, L) or (B, h, L, L). With a cache holding L_past
+                positions, the keys number L_past + L: (B, L_past + L), (L, L_past + L), ...
+            cache: optional `utils.attention.KVCache` of this layer's self-attention: ``x`` is
+                then only the new positions, whose keys and values are appended to it (used by
+                a decoder-only model generating text one token at a time).
 
         Returns:
             (B, L, d_model).
         """
         _check_input("x", x, self)
-        mask = _read_mask("mask", mask, x, x.shape[1], x.shape[1])
+        l_k = x.shape[1] + (0 if cache is None else _cache_length(cache))
+        mask = _read_mask("mask", mask, x, x.shape[1], l_k)
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), mask)
+            x = x + self._sa_block(self.norm1(x), mask, cache)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, mask))
+            x = self.norm1(x + self._sa_block(x, mask, cache))
             x = self.norm2(x + self._ff_block(x))
         return x
 
@@ -467,39 +477,48 @@ class DecoderLayer(_Layer):
     cross_attention = True
     torch_cls = nn.TransformerDecoderLayer
 
-    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask))
+    def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
+                  cache: KVCache | None = None) -> torch.Tensor:
+        return self.dropout1(self.self_attn(x, x, x, mask, cache=cache))
 
-    def _ca_block(self, x: torch.Tensor, memory: torch.Tensor,
-                  mask: torch.Tensor | None) -> torch.Tensor:
-        return self.dropout2(self.cross_attn(x, memory, memory, mask))
+    def _ca_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None,
+                  cache: KVCache | None = None) -> torch.Tensor:
+        return self.dropout2(self.cross_attn(x, memory, memory, mask, cache=cache))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout3(self.ff(x))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+                memory_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                memory_cache: KVCache | None = None) -> torch.Tensor:
         """Run the layer.
 
         Args:
             x: the target side, (B, L_t, d_model).
             memory: the encoder's output, (B, L_s, d_model).
             tgt_mask: self-attention mask, usually causal (and padding): (L_t, L_t), (B, L_t),
-                or broadcastable to (B, L_t, L_t) or (B, h, L_t, L_t).
+                or broadcastable to (B, L_t, L_t) or (B, h, L_t, L_t). With a ``cache`` of
+                L_past positions, the keys number L_past + L_t.
             memory_mask: cross-attention mask, usually the source padding mask (B, L_s); or
                 (L_t, L_s), or broadcastable to (B, L_t, L_s) or (B, h, L_t, L_s).
+            cache: optional `utils.attention.KVCache` of the self-attention (``x`` is then only
+                the new positions).
+            memory_cache: optional static `utils.attention.KVCache` of the cross-attention: the
+                memory's keys and values, computed on the first call and reused afterwards.
 
         Returns:
             (B, L_t, d_model).
         """
-        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask)
+        past = 0 if cache is None else _cache_length(cache)
+        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask,
+                                                      past=past)
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), tgt_mask)
-            x = x + self._ca_block(self.norm2(x), memory, memory_mask)
+            x = x + self._sa_block(self.norm1(x), tgt_mask, cache)
+            x = x + self._ca_block(self.norm2(x), memory, memory_mask, memory_cache)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, tgt_mask))
-            x = self.norm2(x + self._ca_block(x, memory, memory_mask))
+            x = self.norm1(x + self._sa_block(x, tgt_mask, cache))
+            x = self.norm2(x + self._ca_block(x, memory, memory_mask, memory_cache))
             x = self.norm3(x + self._ff_block(x))
         return x
 
@@ -515,15 +534,87 @@ class DecoderLayer(_Layer):
 
 
 def _check_decoder_inputs(module: nn.Module, x: object, memory: object, tgt_mask: object,
-                          memory_mask: object, x_name: str = "x", memory_name: str = "memory"
-                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Check a decoder's inputs; return its two masks read by `utils.masks.expand_mask`."""
+                          memory_mask: object, x_name: str = "x", memory_name: str = "memory",
+                          past: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Check a decoder's inputs; return its two masks read by `utils.masks.expand_mask`
+    (``past``: the positions already in the self-attention cache)."""
     _check_input(x_name, x, module, "(B, L_t, d_model)")
     _check_input(memory_name, memory, module, "(B, L_s, d_model)")
     _check_same_batch(memory_name, memory, x_name, x)
     l_t, l_s = x.shape[1], memory.shape[1]
-    return (_read_mask("tgt_mask", tgt_mask, x, l_t, l_t),
+    return (_read_mask("tgt_mask", tgt_mask, x, l_t, past + l_t),
             _read_mask("memory_mask", memory_mask, x, l_t, l_s))
+
+
+def _cache_length(cache: object) -> int:
+    if not isinstance(cache, KVCache):
+        raise InputTypeError(f"cache must be a utils.attention.KVCache or None, got "
+                             f"{type(cache).__name__}")
+    return cache.length
+
+
+@dataclass
+class DecoderCache:
+    """The key/value caches of a whole stack, for generating one token at a time.
+
+    One `utils.attention.KVCache` per layer for the self-attention (``self_attn``) and, for an
+    encoder-decoder's decoder, one static cache per layer for the cross-attention
+    (``cross_attn``: the memory's keys and values, computed once). Make one with
+    `DecoderCache.for_stack` (or a model's ``new_cache()``), pass it to every call of the
+    stack, and feed it only the new positions.
+
+    Attributes:
+        self_attn: N caches, each k, v of shape (B, h_kv, L_past, d_k).
+        cross_attn: N static caches (B, h_kv, L_s, d_k), or an empty list.
+    """
+
+    self_attn: list[KVCache] = field(default_factory=list)
+    cross_attn: list[KVCache] = field(default_factory=list)
+
+    @classmethod
+    def for_stack(cls, num_layers: int, cross_attention: bool = False,
+                  max_len: int | None = None) -> DecoderCache:
+        """Empty caches for ``num_layers`` layers; each self-attention cache holds at most
+        ``max_len`` positions (None: no limit)."""
+        num_layers = require_int("num_layers", num_layers)
+        require_bool("cross_attention", cross_attention)
+        if max_len is not None:
+            max_len = require_int("max_len", max_len)
+        return cls([KVCache(max_len=max_len) for _ in range(num_layers)],
+                   [KVCache(static=True) for _ in range(num_layers)] if cross_attention else [])
+
+    @property
+    def length(self) -> int:
+        """L_past, the number of positions already processed (0 for a fresh cache)."""
+        return self.self_attn[0].length if self.self_attn else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every key and value, self- and cross-attention."""
+        return sum(c.nbytes for c in (*self.self_attn, *self.cross_attn))
+
+    @property
+    def self_attn_nbytes(self) -> int:
+        """Bytes of the self-attention caches only: 2 * N * B * h_kv * L_past * d_k * bytes."""
+        return sum(c.nbytes for c in self.self_attn)
+
+    def memory_bytes(self) -> int:
+        """The same as `nbytes`."""
+        return self.nbytes
+
+    def check(self, num_layers: int, cross_attention: bool, batch: int) -> None:
+        """Raise a `ValueError` unless the cache fits a stack of ``num_layers`` layers (with
+        cross-attention caches when ``cross_attention``) fed a batch of ``batch`` rows."""
+        if len(self.self_attn) != num_layers:
+            raise ValueError(f"the cache has {len(self.self_attn)} self-attention caches but the "
+                             f"stack has {num_layers} layers")
+        if cross_attention and len(self.cross_attn) != num_layers:
+            raise ValueError(f"the cache has {len(self.cross_attn)} cross-attention caches but "
+                             f"the decoder has {num_layers} layers")
+        held = self.self_attn[0].batch_size
+        if held is not None and held != batch:
+            raise ValueError(f"the cache holds a batch of B={held} sequences, got an input of "
+                             f"B={batch}: a cache serves the batch it was started with")
 
 
 # --------------------------------------------------------------------------------------------
@@ -601,6 +692,11 @@ class _Stack(nn.Module):
         return _finish_copy(new, module)
 
 
+def _require_module_cache(cache: object) -> None:
+    if not isinstance(cache, DecoderCache):
+        raise InputTypeError(f"cache must be a DecoderCache or None, got {type(cache).__name__}")
+
+
 class Encoder(_Stack):
     """A stack of `EncoderLayer`s, with an optional final LayerNorm.
 
@@ -621,17 +717,25 @@ class Encoder(_Stack):
     layer_cls = EncoderLayer
     torch_cls = nn.TransformerEncoder
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None) -> torch.Tensor:
         """Run every layer, then the final norm if there is one.
 
         Args:
-            x: (B, L, d_model).
+            x: (B, L, d_model); with a cache, only the new positions.
             mask: as in `EncoderLayer.forward`; read once and given to every layer.
+            cache: optional `DecoderCache` (one self-attention cache per layer), for a stack
+                run under a causal mask as a decoder-only model one token at a time.
         """
         _check_input("x", x, self)
-        mask = _read_mask("mask", mask, x, x.shape[1], x.shape[1])
-        for layer in self.layers:
-            x = layer(x, mask)
+        past = 0
+        if cache is not None:
+            _require_module_cache(cache)
+            cache.check(self.num_layers, False, x.shape[0])
+            past = cache.length
+        mask = _read_mask("mask", mask, x, x.shape[1], past + x.shape[1])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, None if cache is None else cache.self_attn[i])
         return x if self.norm is None else self.norm(x)
 
     @classmethod
@@ -662,14 +766,29 @@ class Decoder(_Stack):
     torch_cls = nn.TransformerDecoder
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+                memory_mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None) -> torch.Tensor:
         """Run every layer on the same ``memory``, then the final norm if there is one.
 
-        Masks as in `DecoderLayer.forward`.
+        Masks as in `DecoderLayer.forward`. With a `DecoderCache` (see
+        `DecoderCache.for_stack`), ``x`` holds only the new target positions: each layer's
+        self-attention appends their keys and values to its cache, and its cross-attention
+        projects the memory once, on the first call, and reuses it afterwards.
         """
-        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask)
-        for layer in self.layers:
-            x = layer(x, memory, tgt_mask, memory_mask)
+        past = 0
+        if cache is not None:
+            _require_module_cache(cache)
+            _check_input("x", x, self, "(B, L_t, d_model)")
+            cache.check(self.num_layers, True, x.shape[0])
+            past = cache.length
+        tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask,
+                                                      past=past)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, memory, tgt_mask, memory_mask)
+            else:
+                x = layer(x, memory, tgt_mask, memory_mask, cache.self_attn[i],
+                          cache.cross_attn[i])
         return x if self.norm is None else self.norm(x)
 
     @classmethod
@@ -726,10 +845,15 @@ class Transformer(nn.Module):
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor,
                tgt_mask: torch.Tensor | None = None,
-               memory_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's output for ``tgt`` given an encoded ``memory``, (B, L_t, d_model)."""
-        _check_decoder_inputs(self, tgt, memory, tgt_mask, memory_mask, x_name="tgt")
-        return self.decoder(tgt, memory, tgt_mask, memory_mask)
+               memory_mask: torch.Tensor | None = None,
+               cache: DecoderCache | None = None) -> torch.Tensor:
+        """The decoder's output for ``tgt`` given an encoded ``memory``, (B, L_t, d_model).
+
+        With a `DecoderCache` (see `Decoder.forward`), ``tgt`` holds only the new positions.
+        """
+        if cache is None:
+            _check_decoder_inputs(self, tgt, memory, tgt_mask, memory_mask, x_name="tgt")
+        return self.decoder(tgt, memory, tgt_mask, memory_mask, cache=cache)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
                 tgt_mask: torch.Tensor | None = None,
