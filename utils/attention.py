@@ -31,7 +31,7 @@ from ._validation import (
 )
 from .masks import expand_mask
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention"]
+__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention", "KVCache"]
 
 
 def scaled_dot_product_attention(
