@@ -99,7 +99,7 @@ grade: $(GRADE_STAMP)
 	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)
 
 lint: venv
-	$(VENV)/bin/ruff check utils tests
+	$(VENV)/bin/ruff check utils tests scripts book
 
 clean:
 	rm -rf _build
