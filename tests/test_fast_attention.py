@@ -75,13 +75,15 @@ MASKS = [None, "causal", "padding", "random", "empty_rows", "late_key", "keys_on
 BLOCKS = [1, 4, 16, (5, 7), (64, 3), 128]
 
 
+# A padding mask needs a batch axis: the unbatched shape is paired with every other mask kind.
+SHAPE_MASKS = [(shape, kind) for shape in SHAPES for kind in MASKS
+               if not (kind == "padding" and not shape[0])]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("mask_kind", MASKS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("shape", "mask_kind"), SHAPE_MASKS)
 def test_memory_efficient_matches_plain(shape, mask_kind, dtype):
     batch, l_q, l_k, d_k, d_v = shape
-    if mask_kind == "padding" and not batch:
-        pytest.skip("a padding mask needs a batch axis")
     q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, dtype=dtype)
     mask = _mask(mask_kind, batch, l_q, l_k)
     expected = _plain(q, k, v, mask)
