@@ -34,6 +34,55 @@ from .masks import expand_mask
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention", "KVCache"]
 
 
+def _check_qkv_tensors(q: object, k: object, v: object, mask: object,
+                       ) -> tuple[torch.Size, torch.Tensor | None]:
+    """Check q, k, v and an optional bool mask: the rules of `scaled_dot_product_attention`,
+    shared with `memory_efficient_attention` and `local_attention`.
+
+    Returns the broadcast batch shape of q, k and v, and the mask, with a 1-dim mask (L_k,)
+    given a query axis so that it reads as (1, L_k).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(name, t)
+    require_rank("q", q, "(..., L_q, d_k)", min_rank=2)
+    require_rank("k", k, "(..., L_k, d_k)", min_rank=2)
+    require_rank("v", v, "(..., L_k, d_v)", min_rank=2)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must share the last dimension d_k: q is {shape_str(q)} (d_k={q.shape[-1]}),"
+            f" k is {shape_str(k)} (d_k={k.shape[-1]})"
+        )
+    if q.shape[-1] == 0:
+        raise ValueError(f"d_k must be at least 1 (the scores are divided by sqrt(d_k)), got q "
+                         f"{shape_str(q)} and k {shape_str(k)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
+            f"(L_k={k.shape[-2]}), v is {shape_str(v)} (L_k={v.shape[-2]})"
+        )
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
+            " do not broadcast together"
+        ) from None
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputTypeError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
+        )
+    require_floating("q", q)
+    if mask is not None:
+        require_tensor("mask", mask)
+        require_bool_mask("mask", mask)
+        target = (*batch, q.shape[-2], k.shape[-2])
+        require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
+        if mask.dim() == 1:
+            mask = mask[None, :]
+    require_same_device(q=q, k=k, v=v, mask=mask)
+    return batch, mask
+
+
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,43 +116,8 @@ def scaled_dot_product_attention(
         ValueError: when the ranks, d_k (which must be at least 1), L_k, the batch dims or the
             mask's shape do not fit together, or ``dropout_p`` is outside [0, 1).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor(name, t)
-    require_rank("q", q, "(..., L_q, d_k)", min_rank=2)
-    require_rank("k", k, "(..., L_k, d_k)", min_rank=2)
-    require_rank("v", v, "(..., L_k, d_v)", min_rank=2)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must share the last dimension d_k: q is {shape_str(q)} (d_k={q.shape[-1]}),"
-            f" k is {shape_str(k)} (d_k={k.shape[-1]})"
-        )
-    if q.shape[-1] == 0:
-        raise ValueError(f"d_k must be at least 1 (the scores are divided by sqrt(d_k)), got q "
-                         f"{shape_str(q)} and k {shape_str(k)}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
-            f"(L_k={k.shape[-2]}), v is {shape_str(v)} (L_k={v.shape[-2]})"
-        )
-    try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
-        raise ValueError(
-            f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
-            " do not broadcast together"
-        ) from None
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InputTypeError(
-            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
-        )
-    require_floating("q", q)
+    _, mask = _check_qkv_tensors(q, k, v, mask)
     dropout_p = require_probability("dropout_p", dropout_p)
-    if mask is not None:
-        require_tensor("mask", mask)
-        require_bool_mask("mask", mask)
-        target = (*batch, q.shape[-2], k.shape[-2])
-        require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
-    require_same_device(q=q, k=k, v=v, mask=mask)
 
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., L_q, L_k)
@@ -601,54 +615,6 @@ class GroupedQueryAttention(nn.Module):
 
 
 # --- Making attention fast: blocks and the online softmax, and banded local attention ---------
-
-
-def _check_qkv_tensors(q: object, k: object, v: object, mask: object,
-                       ) -> tuple[torch.Size, torch.Tensor | None]:
-    """Check q, k, v and an optional bool mask as `scaled_dot_product_attention` does.
-
-    Returns the broadcast batch shape of q, k and v, and the mask, with a 1-dim mask (L_k,)
-    given a query axis so that it reads as (1, L_k).
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor(name, t)
-    require_rank("q", q, "(..., L_q, d_k)", min_rank=2)
-    require_rank("k", k, "(..., L_k, d_k)", min_rank=2)
-    require_rank("v", v, "(..., L_k, d_v)", min_rank=2)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must share the last dimension d_k: q is {shape_str(q)} (d_k={q.shape[-1]}),"
-            f" k is {shape_str(k)} (d_k={k.shape[-1]})"
-        )
-    if q.shape[-1] == 0:
-        raise ValueError(f"d_k must be at least 1 (the scores are divided by sqrt(d_k)), got q "
-                         f"{shape_str(q)} and k {shape_str(k)}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
-            f"(L_k={k.shape[-2]}), v is {shape_str(v)} (L_k={v.shape[-2]})"
-        )
-    try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
-        raise ValueError(
-            f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
-            " do not broadcast together"
-        ) from None
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InputTypeError(
-            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
-        )
-    require_floating("q", q)
-    if mask is not None:
-        require_tensor("mask", mask)
-        require_bool_mask("mask", mask)
-        target = (*batch, q.shape[-2], k.shape[-2])
-        require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
-        if mask.dim() == 1:
-            mask = mask[None, :]
-    require_same_device(q=q, k=k, v=v, mask=mask)
-    return batch, mask
 
 
 def _block_sizes(block_size: object) -> tuple[int, int]:
