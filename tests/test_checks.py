@@ -21,9 +21,9 @@ from utils.checks import (
 )
 from utils.checks.a1_attention import attend
 from utils.checks.a2_multi_head_attention import mha
-from utils.checks.a3_positional_layer_norm import layer_norm, sinusoid
-from utils.checks.a4_encoder_layer import CHECKER as ENC
-from utils.checks.a4_encoder_layer import encoder_layer
+from utils.checks.a4_positional_layer_norm import layer_norm, sinusoid
+from utils.checks.a6_encoder_layer import CHECKER as ENC
+from utils.checks.a6_encoder_layer import encoder_layer
 from utils.checks.guard import Rule, static_scan
 from utils.layers import LayerNorm
 from utils.positional import sinusoidal_encoding

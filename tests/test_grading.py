@@ -113,7 +113,7 @@ def test_flags_say_what_happened(graded):
     assert "reference used" in rows["evil_a1_reference"]["flags"]
     assert "reference used" in rows["evil_a1_hidden_import"]["flags"]
     assert "reference used" in rows["evil_a1_torch_sdpa"]["flags"]
-    assert "reference used" in rows["evil_a4_torch_layer"]["flags"]
+    assert "reference used" in rows["evil_a6_torch_layer"]["flags"]
     assert "crashed" in rows["evil_a1_os_exit"]["flags"]
     assert "timeout" in rows["evil_a2_endless_init"]["flags"]
     assert "blocked" in rows["evil_a1_writes_files"]["flags"]
@@ -126,7 +126,7 @@ def test_flags_say_what_happened(graded):
 
 
 def test_the_layer_norm_flag_leaves_the_encoding_its_points(graded):
-    row = graded["rows"]["evil_a3_torch_layer_norm"]
+    row = graded["rows"]["evil_a4_torch_layer_norm"]
     assert float(row["positional_encoding.small"]) > 0
     assert float(row["layer_norm.batch"]) == 0
 

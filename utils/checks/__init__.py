@@ -1,7 +1,7 @@
 """Checkers for the programming assignments: run a student's code and say what is wrong.
 
 One module per assignment (`a1_attention`, `a2_multi_head_attention`,
-`a3_positional_layer_norm`, `a4_encoder_layer`) on a small shared core:
+`a4_positional_layer_norm`, `a6_encoder_layer`) on a small shared core:
 
 * `core`: cases, the student side (`exercise`) and the trusted side (`Checker.judge`), results;
 * `guard`: what each assignment forbids and how the grader notices it;
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from .a1_attention import check_scaled_dot_product_attention
 from .a2_multi_head_attention import check_multi_head_attention
-from .a3_positional_layer_norm import check_layer_norm, check_positional_encoding
-from .a4_encoder_layer import check_encoder_layer
+from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
+from .a6_encoder_layer import check_encoder_layer
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
 

@@ -40,6 +40,7 @@ __all__ = [
     "Checker",
     "Mistake",
     "exercise",
+    "register_runner",
     "run_in_process",
 ]
 
@@ -48,6 +49,27 @@ RTOL = 1e-4
 GRAD_ATOL = 1e-4
 GRAD_RTOL = 1e-3
 CASE_TIMEOUT_S = 10.0  # in a notebook: a case that runs longer is stopped and fails
+
+Runner = Callable[[Any, "Spec", dict[str, torch.Tensor]], Any]
+RUNNERS: dict[str, Runner] = {}
+"""Student-side runners for kinds of case other than "function" and "module", by kind."""
+
+
+def register_runner(kind: str, runner: Runner) -> Runner:
+    """Make ``exercise`` run cases of ``kind`` with ``runner(obj, spec, inputs)``.
+
+    The runner does what a case of that kind needs with the student's object (call a test the
+    student wrote on planted implementations, train a model for a fixed budget, ...) and returns
+    what ``spec.outputs`` names, as a tensor or a tuple of tensors. It runs on the student side,
+    so it must not compute or hold an expected value. An exception it raises is reported as the
+    student's error in the stage "call". An assignment module registers its runners when it is
+    imported; ``utils.checks`` imports every assignment module, so both the notebook and the
+    grader's child know them.
+    """
+    if kind in ("function", "module"):
+        raise ValueError(f"the kind {kind!r} is built in")
+    RUNNERS[kind] = runner
+    return runner
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,6 +273,8 @@ def exercise(obj: Any, spec: Spec) -> dict[str, Any]:
                 if isinstance(sub, nn.Module):
                     hooks.append(sub.register_forward_hook(_recorder(name, tensors)))
             fn: Any = module
+        elif spec.kind in RUNNERS:
+            fn = None
         else:
             if not callable(obj):
                 raise StudentError("type", f"expected a function, got {type(obj).__name__}")
@@ -259,8 +283,10 @@ def exercise(obj: Any, spec: Spec) -> dict[str, Any]:
         kwargs = {k: inputs[n] for k, n in spec.kwargs.items()}
         torch.manual_seed(spec.seed)
         try:
-            got = fn(*args, **kwargs)
+            got = RUNNERS[spec.kind](obj, spec, inputs) if fn is None else fn(*args, **kwargs)
         except CaseTimeout:
+            raise
+        except StudentError:
             raise
         except BaseException as exc:
             raise StudentError("call", _exception_text(exc)) from None

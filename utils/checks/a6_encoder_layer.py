@@ -1,4 +1,4 @@
-"""Assignment 4: an encoder layer, post-LN and pre-LN.
+"""Assignment 6: an encoder layer, post-LN and pre-LN.
 
 The student writes ``EncoderLayer(d_model, nhead, dim_feedforward, dropout=0.0,
 activation="relu", norm_first=False)`` with attributes ``self_attn`` (``w_q``, ``w_k``, ``w_v``,
@@ -221,7 +221,7 @@ CHECKER = EncoderChecker([
 ])
 
 ASSIGNMENT = Assignment(
-    name="a4_encoder_layer",
+    name="a6_encoder_layer",
     checkers=[CHECKER],
     rules=[
         Rule("module", "utils.transformer", "imports utils.transformer, the book's reference "

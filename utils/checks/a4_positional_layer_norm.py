@@ -1,4 +1,4 @@
-"""Assignment 3: the sinusoidal positional encoding and layer normalization.
+"""Assignment 4: the sinusoidal positional encoding and layer normalization.
 
 The student writes ``sinusoidal_encoding(max_len, d_model)`` and the module
 ``LayerNorm(d_model, eps=1e-5)`` with parameters ``weight`` and ``bias``.
@@ -256,7 +256,7 @@ LN_CHECKER = LNChecker([
 ])
 
 ASSIGNMENT = Assignment(
-    name="a3_positional_encoding_layer_norm",
+    name="a4_positional_encoding_layer_norm",
     checkers=[PE_CHECKER, LN_CHECKER],
     rules=[
         Rule("module", "utils.positional", "imports utils.positional, the book's reference "
