@@ -6,16 +6,19 @@
 SUBMITTED is nbgrader's layout, SUBMITTED/<student>/<assignment>/<notebook>.ipynb, or a flat one,
 SUBMITTED/<student>/<notebook>.ipynb. A notebook's file name (a1_attention.ipynb, ...) or its
 assignment folder says which assignment it is. Writes DIR/grades.csv (one row per student and
-assignment: score, max_score, the points of every case, flags) and
-DIR/feedback/<student>/<assignment>.md (every case with its points and hint). Exits with 2 only
-when it cannot grade at all (no such folder, no notebook of the book in it); a student's code
-never changes the exit status.
+assignment: score, max_score, the points of every case, written_max, flags),
+DIR/feedback/<student>/<assignment>.md (every case with its points and hint) and
+DIR/written/<assignment>.md (each written question, its model answer, then every student's
+answer, for grading by hand; written_max is the number of points they are worth). Exits with 2
+only when it cannot grade at all (no such folder, no notebook of the book in it); a student's
+code never changes the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 import time
@@ -46,6 +49,79 @@ def find_submissions(folder: Path) -> list[tuple[str, str, Path]]:
             if name in ASSIGNMENTS:
                 found.append((student.name, name, nb))
     return found
+
+
+SOURCES = ROOT / "book" / "assignments"
+ANSWER_STUB = "YOUR ANSWER HERE"
+MAX_NOTEBOOK_BYTES = 50 * 2**20
+
+
+def _markdown_source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else str(src)
+
+
+def written_questions(name: str) -> list[dict]:
+    """The questions of an assignment graded by hand, read from its source notebook.
+
+    Each is ``{"id", "points", "question", "model"}``: the grade_id of nbgrader's manually graded
+    answer cell, its points, the text of the cell before it, and the model answer.
+    """
+    nb = json.loads((SOURCES / f"{name}.ipynb").read_text(encoding="utf-8"))
+    out, previous = [], ""
+    for cell in nb["cells"]:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        text = _markdown_source(cell)
+        if cell["cell_type"] == "markdown" and meta.get("solution") and meta.get("grade"):
+            out.append({"id": meta["grade_id"], "points": float(meta["points"]),
+                        "question": previous.strip(), "model": _answer_text(text)})
+        previous = text
+    return out
+
+
+def _answer_text(source: str) -> str:
+    """An answer cell's text without its heading and solution markers."""
+    lines = [ln for ln in source.splitlines()
+             if "BEGIN SOLUTION" not in ln and "END SOLUTION" not in ln]
+    text = "\n".join(lines).strip()
+    return text.removeprefix("**Answer.**").strip()
+
+
+def written_answers(notebook: Path, questions: list[dict]) -> list[str | None]:
+    """The student's answer to each question (None: missing or left as handed out).
+
+    The notebook is read as JSON and never run; an answer cell is found by its grade_id, so a
+    student who moved cells around is still graded on the right answers.
+    """
+    try:
+        if notebook.stat().st_size > MAX_NOTEBOOK_BYTES:
+            return [None] * len(questions)
+        cells = json.loads(notebook.read_text(encoding="utf-8", errors="replace"))["cells"]
+        by_id = {}
+        for cell in cells:
+            meta = cell.get("metadata", {}).get("nbgrader", {})
+            if isinstance(meta, dict) and cell.get("cell_type") == "markdown":
+                by_id.setdefault(str(meta.get("grade_id")), _answer_text(_markdown_source(cell)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [None] * len(questions)
+    answers: list[str | None] = []
+    for q in questions:
+        text = by_id.get(q["id"])
+        answers.append(None if not text or text == ANSWER_STUB else text)
+    return answers
+
+
+def written_report(name: str, questions: list[dict],
+                   answers: list[tuple[str, list[str | None]]]) -> str:
+    """The Markdown file of one assignment's written answers, question by question."""
+    total = sum(q["points"] for q in questions)
+    lines = [f"# {name}: written answers, graded by hand ({_points(total)} points)", ""]
+    for k, q in enumerate(questions):
+        lines += [f"## {q['question']} ({_points(q['points'])} points)", "",
+                  "**Model answer.** " + q["model"], ""]
+        for student, given in answers:
+            lines += [f"### {student}", "", given[k] if given[k] else "*(no answer)*", ""]
+    return "\n".join(lines)
 
 
 def columns(assignments: list[str]) -> list[str]:
@@ -160,11 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                 _progress(n, len(found), start)
     names = sorted({a for _, a, _ in found}, key=list(ASSIGNMENTS).index)
     cols = columns(names)
+    questions = {name: written_questions(name) for name in names}
+    written: dict[str, list[tuple[str, list[str | None]]]] = {name: [] for name in names}
     rows = []
-    for i, (student, name, _) in enumerate(found):
+    for i, (student, name, nb) in enumerate(found):
         res = results[i]
+        written[name].append((student, written_answers(nb, questions[name])))
         row = {"student": student, "assignment": name, "score": _points(res.points),
-               "max_score": _points(res.max_points), "flags": ";".join(res.flags)}
+               "max_score": _points(res.max_points), "flags": ";".join(res.flags),
+               "written_max": _points(sum(q["points"] for q in questions[name]))}
         for check in res.checks:
             for c in check.cases:
                 row[f"{check.check.removeprefix('check_')}.{c.case_id}"] = _points(c.points)
@@ -174,15 +254,21 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(feedback(student, res), encoding="utf-8")
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "grades.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, ["student", "assignment", "score", "max_score", *cols, "flags"],
-                                restval="")
+        writer = csv.DictWriter(f, ["student", "assignment", "score", "max_score", *cols,
+                                    "written_max", "flags"], restval="")
         writer.writeheader()
         writer.writerows(rows)
+    for name in names:
+        if questions[name]:
+            path = args.out / "written" / f"{name}.md"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(written_report(name, questions[name], written[name]),
+                            encoding="utf-8")
     print(summary(rows))
     started = sandbox.children_started
     print(f"graded {len(rows)} notebooks in {time.monotonic() - start:.1f} s "
           f"({started['forked']} processes forked, {started['fresh']} started afresh); wrote "
-          f"{args.out / 'grades.csv'} and {args.out / 'feedback'}/")
+          f"{args.out / 'grades.csv'}, {args.out / 'feedback'}/ and {args.out / 'written'}/")
     return 0
 
 

@@ -6,8 +6,10 @@
 
 Every block between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers) is
 replaced by a stub that raises ``NotImplementedError``, indented like the markers; in a markdown
-cell it becomes "YOUR ANSWER HERE". Outputs and execution counts are cleared. The script then
-checks that no line of any solution is left and that every code cell still parses.
+cell it becomes "YOUR ANSWER HERE". In a markdown cell the markers may be HTML comments
+(``<!-- ### BEGIN SOLUTION -->``), so that the book's page shows the model answer without them;
+nbgrader finds them there too. Outputs and execution counts are cleared. The script then checks
+that no line of any solution is left and that every code cell still parses.
 
 ``--course-book`` builds the book as a course would hand it out: the exercises' solutions hidden
 (sphinx-exercise's ``hide_solutions: true``) and the assignments in their student versions. It
@@ -40,6 +42,14 @@ class SolutionMarkerError(ValueError):
     """The solution markers of a cell do not pair up."""
 
 
+def marker_of(line: str) -> str | None:
+    """BEGIN or END when ``line`` is a solution marker (bare, or inside an HTML comment)."""
+    text = line.strip()
+    if text.startswith("<!--") and text.endswith("-->"):
+        text = text[4:-3].strip()
+    return text if text in (BEGIN, END) else None
+
+
 def strip_solutions(source: str, stub: list[str] = CODE_STUB) -> tuple[str, list[str]]:
     """Replace each solution block of ``source`` by ``stub``, indented like its BEGIN marker.
 
@@ -49,7 +59,7 @@ def strip_solutions(source: str, stub: list[str] = CODE_STUB) -> tuple[str, list
     removed: list[str] = []
     indent: str | None = None
     for number, line in enumerate(source.splitlines(), start=1):
-        marker = line.strip()
+        marker = marker_of(line)
         if marker == BEGIN:
             if indent is not None:
                 raise SolutionMarkerError(f"line {number}: {BEGIN} inside another solution block")

@@ -659,7 +659,8 @@ def test_report_close_fails_on_nan_and_inf():
 @pytest.mark.parametrize("cls", [MultiHeadAttention, GroupedQueryAttention])
 def test_attention_reads_masks_by_the_library_rule(cls):
     torch.manual_seed(0)
-    m = cls(8, 2) if cls is MultiHeadAttention else cls(8, 2, 1)
+    m = cls(8, 2, keep_weights=True) if cls is MultiHeadAttention else cls(8, 2, 1,
+                                                                         keep_weights=True)
     q, kv = r(2, 3, 8), r(2, 7, 8)  # B = 2, L_q = 3, L_k = 7
     pad = padding_mask([7, 4], 7)
     explicit = m(q, kv, kv, pad[:, None, None, :])

@@ -32,8 +32,9 @@ def solution_lines(path: Path) -> list[str]:
     lines, inside = [], False
     for cell in nbformat.read(path, as_version=4).cells:
         for ln in cell.source.splitlines():
-            if ln.strip() in (make_assignments.BEGIN, make_assignments.END):
-                inside = ln.strip() == make_assignments.BEGIN
+            marker = make_assignments.marker_of(ln)
+            if marker:
+                inside = marker == make_assignments.BEGIN
             elif inside and ln.strip():
                 lines.append(ln.strip())
     return lines
@@ -101,6 +102,37 @@ def test_markdown_solutions_become_an_answer_prompt():
     assert removed == ["Because the softmax saturates."]
 
 
+def test_markdown_markers_may_be_html_comments():
+    """The book's pages show the model answer without the markers; the student sees a prompt."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "**Answer.**\n\n<!-- ### BEGIN SOLUTION -->\nThe rows would no longer sum to 1.\n"
+        "<!--### END SOLUTION-->")])
+    student, removed = make_assignments.student_version(nb)
+    assert student.cells[0].source == "**Answer.**\n\nYOUR ANSWER HERE"
+    assert removed == ["The rows would no longer sum to 1."]
+    assert make_assignments.marker_of("  <!-- ### BEGIN SOLUTION -->") == make_assignments.BEGIN
+    assert make_assignments.marker_of("<!-- a comment -->") is None
+
+
+@pytest.mark.parametrize("path", ASSIGNMENTS, ids=[p.name for p in ASSIGNMENTS])
+def test_every_question_has_an_answer_cell(path):
+    """Each question under "Before you hand it in" is followed by its manually graded answer."""
+    cells = nbformat.read(path, as_version=4).cells
+    start = next(i for i, c in enumerate(cells) if "## Before you hand it in" in c.source)
+    questions = [i for i, c in enumerate(cells) if i > start and c.cell_type == "markdown"
+                 and c.source.lstrip().startswith("**Question")]
+    assert questions, f"{path.name}: no question cells after 'Before you hand it in'"
+    for i in questions:
+        answer = cells[i + 1]
+        meta = answer.metadata["nbgrader"]
+        assert answer.cell_type == "markdown" and meta["solution"] and meta["grade"], i
+        assert not meta["locked"] and meta["points"] > 0
+        assert make_assignments.marker_of(answer.source.splitlines()[2]) == make_assignments.BEGIN
+        assert cells[i].metadata["nbgrader"]["locked"]
+    assert sum(1 for c in cells if c.cell_type == "markdown"
+               and c.metadata["nbgrader"]["solution"]) == len(questions)
+
+
 def test_course_config_switches_only_hide_solutions():
     text = (ROOT / "_config.yml").read_text()
     new = make_assignments.course_config(text)
@@ -132,7 +164,11 @@ def test_no_line_of_a_solution_is_left(path, student_dir):
         ast.parse(c.source)
     stubs = sum(c.source.count("raise NotImplementedError()") for c in code)
     sources = nbformat.read(path, as_version=4).cells
-    assert stubs == sum(c.source.count(make_assignments.BEGIN) for c in sources)
+    assert stubs == sum(c.source.count(make_assignments.BEGIN) for c in sources
+                        if c.cell_type == "code")
+    answers = [c for c in student.cells if c.cell_type == "markdown"
+               and c.metadata["nbgrader"]["solution"]]
+    assert answers and all(c.source.endswith("YOUR ANSWER HERE") for c in answers)
 
 
 @pytest.mark.parametrize("path", ASSIGNMENTS, ids=[p.name for p in ASSIGNMENTS])
@@ -241,7 +277,11 @@ def test_nbgrader_metadata(path):
         ids.append(meta["grade_id"])
         assert meta["schema_version"] == 3
         call = CHECK_CALL.search(cell.source)
-        if make_assignments.BEGIN in cell.source:
+        if make_assignments.BEGIN in cell.source and cell.cell_type == "markdown":
+            # a written answer: nbgrader's manually graded answer cell
+            assert meta["solution"] and meta["grade"] and not meta["locked"]
+            assert meta["points"] > 0
+        elif make_assignments.BEGIN in cell.source:
             assert meta["solution"] and not meta["grade"] and not meta["locked"]
         elif call and cell.cell_type == "code":
             checker = checkers[call.group(0)[:-1]]

@@ -56,6 +56,20 @@ def test_the_run_succeeds_and_grades_everyone(graded):
     assert "a1_attention:" in run.stdout and "mean" in run.stdout
 
 
+def test_written_answers_are_collected_for_grading_by_hand(graded):
+    """The CSV says how many points the written answers are worth; written/<assignment>.md has
+    each question, its model answer and every student's answer (the submissions here keep the
+    source notebooks' model answers)."""
+    for row in graded["rows"].values():
+        questions = grade_assignments.written_questions(row["assignment"])
+        assert float(row["written_max"]) == sum(q["points"] for q in questions) > 0
+    text = (graded["out"] / "written" / "a1_attention.md").read_text()
+    students = [s for s, (a, _, _) in SUBMISSIONS.items() if a == "a1_attention"]
+    questions = grade_assignments.written_questions("a1_attention")
+    assert text.count("\n### ") == len(students) * len(questions)
+    assert all(q["question"] in text for q in questions)
+
+
 def test_every_child_is_forked_from_the_zygote(graded):
     """The fast path is the one taken: no child fell back to a fresh interpreter."""
     counts = re.search(r"\((\d+) processes forked, (\d+) started afresh\)", graded["run"].stdout)

@@ -217,7 +217,7 @@ def test_padding_mask_hides_the_padding():
 def test_cross_attention_padding_of_memory_is_ignored():
     """Decoder queries over encoder keys with padding: the padded keys never matter."""
     torch.manual_seed(0)
-    m = MultiHeadAttention(16, 4)
+    m = MultiHeadAttention(16, 4, keep_weights=True)
     tgt, memory = torch.randn(2, 3, 16), torch.randn(2, 6, 16)
     pad = padding_mask([6, 4])
     changed = torch.where(pad[..., None], memory, torch.randn(2, 6, 16) * 10)

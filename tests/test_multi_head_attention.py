@@ -49,6 +49,9 @@ def _torch_pair(d, h, bias, seed=0):
     ref = nn.MultiheadAttention(d, h, bias=bias, batch_first=True)
     ref.eval()
     ours = MultiHeadAttention.from_torch(ref)
+    # The from-scratch path, whose weights are compared too; tests/test_fused_attention.py proves
+    # the default fused path equal to it.
+    ours.keep_weights = True
     return ref, ours
 
 
@@ -186,17 +189,19 @@ def test_wrong_input_shapes_raise():
 # ---------------------------------------------------------------------------- fully masked rows
 
 
-def test_fully_masked_rows_give_no_nan_forward_and_backward():
+@pytest.mark.parametrize("keep_weights", [True, False])
+def test_fully_masked_rows_give_no_nan_forward_and_backward(keep_weights):
     torch.manual_seed(0)
-    m = MultiHeadAttention(8, 2)
+    m = MultiHeadAttention(8, 2, keep_weights=keep_weights)
     x = torch.randn(2, 4, 8, requires_grad=True)
     mask = causal_mask(4).clone()
     mask[1] = False  # query 1 may attend to nothing
     pad = padding_to_attention_mask(padding_mask([4, 0], 4))  # sequence 1 is all padding
     out = m(x, x, x, mask=combine_masks(mask, pad))
     assert not torch.isnan(out).any()
-    w = m.attn_weights
-    assert torch.all(w[:, :, 1] == 0) and torch.all(w[1] == 0)
+    if keep_weights:
+        w = m.attn_weights
+        assert torch.all(w[:, :, 1] == 0) and torch.all(w[1] == 0)
     # A query with no key gets a zero attention output, so the layer returns W_O's bias there.
     torch.testing.assert_close(out[0, 1], m.w_o.bias.detach())
     out.sum().backward()
@@ -253,7 +258,7 @@ def test_heads_keep_the_parameters_but_multiply_the_attention_weights():
     x = torch.randn(2, 7, 16)
     counts = set()
     for h in (1, 2, 4, 8):
-        m = MultiHeadAttention(16, h)
+        m = MultiHeadAttention(16, h, keep_weights=True)
         m(x, x, x)
         counts.add(sum(p.numel() for p in m.parameters()))
         assert m.attn_weights.shape == (2, h, 7, 7)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils._validation import InputTypeError
+from utils.attention import keep_attention_weights
 from utils.vision import PatchEmbedding, VisionTransformer, patchify, unpatchify
 
 
@@ -73,6 +74,10 @@ def test_vit_shapes_and_class_attention():
     x = torch.randn(5, 1, 8, 8)
     logits = vit(x)
     assert logits.shape == (5, 10)
+    with pytest.raises(RuntimeError, match="keep_attention_weights"):
+        vit.class_attention()  # the default fast path keeps no weights
+    keep_attention_weights(vit)
+    torch.testing.assert_close(vit(x), logits, atol=1e-5, rtol=1e-4)
     assert vit.tokens(x).shape == (5, 17, 16)
     att = vit.class_attention()
     assert att.shape == (5, 4, 4, 4)

@@ -31,7 +31,8 @@ from ._validation import (
 )
 from .masks import expand_mask
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "GroupedQueryAttention", "KVCache"]
+__all__ = ["scaled_dot_product_attention", "fused_attention", "MultiHeadAttention",
+           "GroupedQueryAttention", "KVCache", "keep_attention_weights"]
 
 
 def _check_qkv_tensors(q: object, k: object, v: object, mask: object,
@@ -132,6 +133,64 @@ def scaled_dot_product_attention(
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     return weights @ v, weights
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention`'s output, computed by PyTorch's fused kernel.
+
+    The same function as `scaled_dot_product_attention` (same shapes, checks, mask convention
+    and degenerate cases), but it returns the output only: ``F.scaled_dot_product_attention``
+    picks the fastest kernel for the device and never builds the weights as a tensor of their
+    own. A query row with no allowed key gets a zero output and zero gradients, whatever the
+    kernel does with such a row: its mask row is opened before the call and its output
+    multiplied by zero after.
+
+    Args:
+        q: (..., L_q, d_k); k: (..., L_k, d_k); v: (..., L_k, d_v), one dtype and device.
+        mask: optional bool mask broadcastable to (..., L_q, L_k), True = may attend.
+        dropout_p: dropout on the weights, in [0, 1) (the kernel's own random numbers).
+
+    Returns:
+        (..., L_q, d_v).
+
+    Raises:
+        InputTypeError, ValueError: as `scaled_dot_product_attention`.
+    """
+    batch, mask = _check_qkv_tensors(q, k, v, mask)
+    dropout_p = require_probability("dropout_p", dropout_p)
+    q, k, v = (t.expand(*batch, *t.shape[-2:]) for t in (q, k, v))
+    if q.numel() == 0 or k.shape[-2] == 0:
+        return scaled_dot_product_attention(q, k, v, mask, dropout_p)[0]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    has_key = mask.any(dim=-1, keepdim=True)  # (..., L_q, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
+    return out * has_key
+
+
+def keep_attention_weights(module: nn.Module, keep: bool = True) -> nn.Module:
+    """Set ``keep_weights`` on every attention module inside ``module`` (itself included).
+
+    With ``keep=True`` each `MultiHeadAttention` runs the from-scratch path and stores its
+    weights in ``attn_weights`` at the next forward pass, for a plot; ``keep=False`` returns them
+    to the fused kernel. Returns ``module``, so that ``keep_attention_weights(model)(x)`` works.
+
+    Raises:
+        InputTypeError: when ``module`` is not an ``nn.Module`` or ``keep`` is not a bool.
+    """
+    if not isinstance(module, nn.Module):
+        raise InputTypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    require_bool("keep", keep)
+    for sub in module.modules():
+        if isinstance(sub, (MultiHeadAttention, GroupedQueryAttention)):
+            sub.keep_weights = keep
+    return module
 
 
 def _check_qkv(module: nn.Module, query: object, key: object, value: object) -> None:
@@ -322,10 +381,19 @@ class MultiHeadAttention(nn.Module):
         num_heads: number of heads h, a positive int that divides ``d_model``.
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights during training, in [0, 1).
+        keep_weights: whether to keep the attention weights of each forward pass (for plots).
+            False (the default): the attention itself runs in PyTorch's fused kernel
+            (``F.scaled_dot_product_attention``), which never returns the weights, and
+            ``attn_weights`` is None. True: it runs in this book's `scaled_dot_product_attention`
+            (the from-scratch path of chapter 3) and ``attn_weights`` holds the weights. Both give
+            the same output and gradients to float rounding; dropout draws different random
+            numbers in each. The attribute can be switched at any time (see
+            `keep_attention_weights`).
 
     Shapes:
         query (B, L_q, d_model), key and value (B, L_k, d_model) -> output (B, L_q, d_model).
-        After a forward pass, ``attn_weights`` holds the weights (B, h, L_q, L_k).
+        After a forward pass with ``keep_weights``, ``attn_weights`` holds the weights
+        (B, h, L_q, L_k); without, it is None.
 
     Raises:
         InputTypeError: for a count that is not an int (``2.5``, ``True``), a dropout that is not
@@ -334,13 +402,16 @@ class MultiHeadAttention(nn.Module):
             outside [0, 1).
     """
 
-    def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0):
+    def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0,
+                 keep_weights: bool = False):
         super().__init__()
         _check_heads(d_model, num_heads, dropout, bias)
+        require_bool("keep_weights", keep_weights)
         self.d_model = int(d_model)
         self.num_heads = int(num_heads)
         self.d_k = self.d_model // self.num_heads
         self.dropout = float(dropout)
+        self.keep_weights = keep_weights
         self.w_q = nn.Linear(self.d_model, self.d_model, bias=bias)
         self.w_k = nn.Linear(self.d_model, self.d_model, bias=bias)
         self.w_v = nn.Linear(self.d_model, self.d_model, bias=bias)
@@ -411,16 +482,39 @@ class MultiHeadAttention(nn.Module):
         _check_qkv(self, query, key, value)
         if cache is None:
             mask = _read_mask(mask, query, key, self.num_heads)
-            k = self.split_heads(self.w_k(key))
-            v = self.split_heads(self.w_v(value))
+            if query is key and key is value:  # self-attention: one matmul for q, k and v
+                q, k, v = self._project_qkv(query)
+            else:
+                q = self.split_heads(self.w_q(query))
+                k = self.split_heads(self.w_k(key))
+                v = self.split_heads(self.w_v(value))
         else:
             k, v = _cached_kv(self, key, value, self.num_heads, cache)
             mask = _read_cached_mask(mask, query, k.shape[2], self.num_heads)
-        q = self.split_heads(self.w_q(query))
+            q = self.split_heads(self.w_q(query))
         p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
-        self.attn_weights = weights.detach()
+        if self.keep_weights:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
+            self.attn_weights = weights.detach()
+        else:
+            out = fused_attention(q, k, v, mask, dropout_p=p)
+            self.attn_weights = None
         return self.w_o(self.merge_heads(out))
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """W_Q, W_K and W_V applied to the same x in one matmul, each split into heads.
+
+        The same numbers as the three projections one by one (the weights stacked into one
+        (3 d_model, d_model) matrix), with one pass over x instead of three.
+        """
+        weight = torch.cat((self.w_q.weight, self.w_k.weight, self.w_v.weight))
+        bias = None
+        if self.w_q.bias is not None:
+            bias = torch.cat((self.w_q.bias, self.w_k.bias, self.w_v.bias))
+        b, length, _ = x.shape
+        qkv = F.linear(x, weight, bias).view(b, length, 3, self.num_heads, self.d_k)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, L, d_k)
+        return q, k, v
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -494,11 +588,13 @@ class GroupedQueryAttention(nn.Module):
         num_kv_heads: number of key/value heads, a positive int that divides ``num_heads``.
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights during training, in [0, 1).
+        keep_weights: as in `MultiHeadAttention`: False runs PyTorch's fused kernel and keeps no
+            weights, True runs the from-scratch path and keeps them in ``attn_weights``.
 
     Shapes:
         query (B, L_q, d_model), key and value (B, L_k, d_model) -> output (B, L_q, d_model).
-        ``w_k`` and ``w_v`` map d_model -> num_kv_heads * d_k. After a forward pass,
-        ``attn_weights`` holds the weights (B, h, L_q, L_k).
+        ``w_k`` and ``w_v`` map d_model -> num_kv_heads * d_k. After a forward pass with
+        ``keep_weights``, ``attn_weights`` holds the weights (B, h, L_q, L_k); without, None.
 
     Raises:
         InputTypeError, ValueError: as `MultiHeadAttention`, and when ``num_kv_heads`` is not a
@@ -506,9 +602,11 @@ class GroupedQueryAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, bias: bool = True,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, keep_weights: bool = False):
         super().__init__()
         _check_heads(d_model, num_heads, dropout, bias)
+        require_bool("keep_weights", keep_weights)
+        self.keep_weights = keep_weights
         require_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -564,8 +662,12 @@ class GroupedQueryAttention(nn.Module):
         k = k.repeat_interleave(self.group_size, dim=1)  # (B, h, L_k, d_k)
         v = v.repeat_interleave(self.group_size, dim=1)
         p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
-        self.attn_weights = weights.detach()
+        if self.keep_weights:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
+            self.attn_weights = weights.detach()
+        else:
+            out = fused_attention(q, k, v, mask, dropout_p=p)
+            self.attn_weights = None
         b, _, l_q, _ = out.shape
         return self.w_o(out.transpose(1, 2).reshape(b, l_q, self.d_model))
 

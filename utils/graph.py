@@ -129,7 +129,8 @@ class GraphAttentionLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int = 1, dropout: float = 0.0,
                  residual: bool = True, activation: str = "elu"):
         super().__init__()
-        self.attn = MultiHeadAttention(d_model, num_heads, dropout=dropout)
+        # keep_weights: the layer is small and its weights are what one looks at on a graph.
+        self.attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, keep_weights=True)
         self.d_model = self.attn.d_model
         self.residual = require_bool("residual", residual)
         self.activation = require_choice("activation", activation, ("elu", "relu", "none"))

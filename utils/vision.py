@@ -242,6 +242,9 @@ class VisionTransformer(nn.Module):
     def class_attention(self, layer: int = -1) -> torch.Tensor:
         """The class token's attention over the patches in the last forward pass.
 
+        The attention modules keep their weights only when asked: call
+        ``utils.attention.keep_attention_weights(model)`` before that forward pass.
+
         Args:
             layer: which encoder layer (an index into ``encoder.layers``; -1 = the last).
 
@@ -251,7 +254,7 @@ class VisionTransformer(nn.Module):
             so a map sums to at most 1).
 
         Raises:
-            RuntimeError: before any forward pass.
+            RuntimeError: before any forward pass with the weights kept.
         """
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise InputTypeError(f"layer must be an int, got {layer!r}")
@@ -260,7 +263,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"layer must be in [-{n}, {n}), got {layer}")
         weights = self.encoder.layers[layer].self_attn.attn_weights   # (B, h, 1 + N, 1 + N)
         if weights is None:
-            raise RuntimeError("no forward pass yet: run the model on a batch of images "
-                               "before asking for its attention")
+            raise RuntimeError("no attention weights kept from a forward pass: switch them on "
+                               "with utils.attention.keep_attention_weights(model), then run "
+                               "the model on a batch of images before asking for its attention")
         b, h = weights.shape[:2]
         return weights[:, :, 0, 1:].reshape(b, h, self.grid, self.grid)
