@@ -8,9 +8,9 @@ The student writes three functions in the book's convention (bool, True = may at
 * ``batch_mask(lengths, max_len)`` -> (B, 1, L, L) with L = max_len: query i of sequence b may
   attend to key j iff j <= i and j < lengths[b];
 
-and two behaviour tests, ``test_causal_mask(causal_mask_fn)`` and ``test_batch_mask(batch_mask_fn)``,
-that raise (an AssertionError) when the implementation they are given is wrong and return quietly
-when it is right.
+and two behaviour tests, ``test_causal_mask(causal_mask_fn)`` and
+``test_batch_mask(batch_mask_fn)``, that raise (an AssertionError) when the implementation they
+are given is wrong and return quietly when it is right.
 
 The mask functions are checked like every other assignment: the trusted side builds the expected
 mask with `Reference` and names the mistake when the student's mask equals a known wrong one. The
@@ -129,12 +129,7 @@ class Reference:
                                 shift=1 if keys == "one_more" else 0,
                                 ignore_lengths=keys == "ignored")
         as_keys, as_queries = pad[:, None, None, :], pad[:, None, :, None]
-        if where == "queries":
-            pad4 = as_queries
-        elif where == "both":
-            pad4 = as_keys & as_queries
-        else:
-            pad4 = as_keys
+        pad4 = as_queries if where == "queries" else as_keys
         if combine == "or":
             mask = causal | pad4
         elif combine == "causal_only":
@@ -295,13 +290,10 @@ class BatchChecker(MaskChecker):
         Mistake("mask polarity inverted: True means 'may attend'", {"invert": True}),
         Mistake("the padding is taken from the wrong end: padding comes after the real tokens",
                 {"keys": "left"}),
-        Mistake("the padding mask is applied to the queries (rows) instead of the keys "
-                "(columns): it is padded keys that no query may read, so index it as "
+        Mistake("the padding mask is applied to the queries (rows), alone or with the keys "
+                "(the two give the same mask here): the rows of padded queries must still allow "
+                "the real keys j <= i; it is the padded keys (columns) that are blocked, "
                 "pad[:, None, None, :]", {"where": "queries"}),
-        Mistake("the padding mask is applied to the queries as well as the keys: the rows of "
-                "padded queries should still allow the real keys j <= i (their outputs are "
-                "ignored later, and a row with no allowed key needs special care)",
-                {"where": "both"}),
         Mistake("the masks are combined with OR: a key is allowed only where both allow it, "
                 "causal & padding", {"combine": "or"}),
         Mistake("the padding is ignored: only the causal mask is applied (right only when every "
@@ -368,8 +360,7 @@ BATCH_BUGS: dict[str, str] = {
     "inverted": "a batch mask with the polarity inverted",
     "left": "a batch mask that takes the padding from the wrong end (the first positions)",
     "queries": "a batch mask that applies the padding to the queries (rows) instead of the keys "
-               "(columns)",
-    "both": "a batch mask that also blocks the rows of padded queries",
+               "(columns): it blocks the rows of padded queries",
     "or": "a batch mask that combines causal and padding with OR instead of AND",
     "no_padding": "a batch mask that ignores the lengths (right only when every sequence fills "
                   "max_len: test a batch with short sequences)",
@@ -438,8 +429,6 @@ def _planted_batch(lengths: Any, max_len: Any, code: int) -> torch.Tensor:
     keys, queries = real[:, None, None, :], real[:, None, :, None]
     if name == "queries":
         mask = causal & queries
-    elif name == "both":
-        mask = causal & keys & queries
     elif name == "or":
         mask = causal | keys
     elif name == "no_padding":
@@ -592,9 +581,11 @@ class BatchTestChecker(MaskTestChecker):
 def _test_cases(family: str, bugs: dict[str, str]) -> list[Case]:
     cases = [Case(name, f"your test catches {hint}", _test_case(family, name))
              for name, hint in bugs.items()]
-    # Last, so that a test that remembers what it saw in an earlier call learns nothing from it.
+    # Worth no points by itself (every case above holds the right implementation too, and
+    # counts only if it passes), so that a test that passes everything earns nothing; last, so
+    # that a test that remembers what it saw in an earlier call learns nothing from it.
     cases.append(Case("accepts_right", "your test passes the correct implementation",
-                      _test_case(family, "ok", copies=3)))
+                      _test_case(family, "ok", copies=3), points=0))
     return cases
 
 
