@@ -441,6 +441,12 @@ from utils.checks.a3_masks import Reference
 def padding_mask(lengths, max_len):
     return Reference.padding(lengths, max_len)
 '''
+TORCH_CAUSAL = '''
+from torch import nn
+
+def causal_mask(length):
+    return nn.Transformer.generate_square_subsequent_mask(length) == 0
+'''
 
 # student: ({cell: source}, {column: expected points or None for "below full"}, phrase)
 A3_SUBMISSIONS = {
@@ -464,6 +470,8 @@ A3_SUBMISSIONS = {
     "evil_a3_checker_reference": ({CELLS["padding"]: CHECKER_REFERENCE},
                                   {"padding_mask.one_full": 0},
                                   "uses the checker's own reference masks"),
+    "evil_a3_torch_causal": ({CELLS["causal"]: TORCH_CAUSAL}, {"causal_mask.length_5": 0},
+                             "generate_square_subsequent_mask"),
 }
 
 
@@ -520,6 +528,8 @@ def test_references_are_flagged(graded):
     _, rows = graded
     assert "reference used" in rows["evil_a3_reference"]["flags"]
     assert "reference used" in rows["evil_a3_checker_reference"]["flags"]
+    assert "reference used" in rows["evil_a3_torch_causal"]["flags"]
+    assert float(rows["evil_a3_torch_causal"]["causal_mask_test.sees_next"]) == 1  # not the tests
     for student in A3_SUBMISSIONS:
         if student.startswith(("ok_", "bad_")):
             assert rows[student]["flags"] == "", student
