@@ -1,6 +1,6 @@
 """Checkers for the programming assignments: run a student's code and say what is wrong.
 
-One module per assignment (`a1_attention`, `a2_multi_head_attention`,
+One module per assignment (`a1_attention`, `a2_multi_head_attention`, `a3_masks`,
 `a4_positional_layer_norm`, `a6_encoder_layer`) on a small shared core:
 
 * `core`: cases, the student side (`exercise`) and the trusted side (`Checker.judge`), results;
@@ -16,6 +16,13 @@ from __future__ import annotations
 
 from .a1_attention import check_scaled_dot_product_attention
 from .a2_multi_head_attention import check_multi_head_attention
+from .a3_masks import (
+    check_batch_mask,
+    check_batch_mask_test,
+    check_causal_mask,
+    check_causal_mask_test,
+    check_padding_mask,
+)
 from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
 from .a6_encoder_layer import check_encoder_layer
 from .assignments import ASSIGNMENTS
@@ -27,6 +34,11 @@ __all__ = [
     "CheckResult",
     "check_scaled_dot_product_attention",
     "check_multi_head_attention",
+    "check_causal_mask",
+    "check_padding_mask",
+    "check_batch_mask",
+    "check_causal_mask_test",
+    "check_batch_mask_test",
     "check_positional_encoding",
     "check_layer_norm",
     "check_encoder_layer",

@@ -1,0 +1,663 @@
+"""Assignment 3: masks, and behaviour tests that catch wrong masks.
+
+The student writes three functions in the book's convention (bool, True = may attend):
+
+* ``causal_mask(length)`` -> (L, L), True on and below the diagonal;
+* ``padding_mask(lengths, max_len)`` -> (B, max_len), True at the real tokens (padding after
+  them), ``lengths`` a 1-dim integer tensor;
+* ``batch_mask(lengths, max_len)`` -> (B, 1, L, L) with L = max_len: query i of sequence b may
+  attend to key j iff j <= i and j < lengths[b];
+
+and two behaviour tests, ``test_causal_mask(causal_mask_fn)`` and
+``test_batch_mask(batch_mask_fn)``, that raise (an AssertionError) when the implementation they
+are given is wrong and return quietly when it is right.
+
+The mask functions are checked like every other assignment: the trusted side builds the expected
+mask with `Reference` and names the mistake when the student's mask equals a known wrong one. The
+tests are checked by a kind of case of their own, "mask_test": on the student side the runner calls
+the student's test on a shuffled list of implementations, right ones and copies of one planted bug,
+all made by the same wrapper (same name, same code, same source), and returns only what each call
+did (returned, or raised, and the text of the exception). The trusted side decides: a bug counts as
+caught only when every copy of the right implementation in the same case passed, so a test that
+rejects everything earns nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from .core import (
+    Case,
+    CaseTimeout,
+    Checker,
+    CheckResult,
+    Mistake,
+    Spec,
+    StudentError,
+    register_runner,
+    run_in_process,
+    shape_str,
+)
+from .guard import Assignment, Rule
+
+__all__ = [
+    "check_causal_mask",
+    "check_padding_mask",
+    "check_batch_mask",
+    "check_causal_mask_test",
+    "check_batch_mask_test",
+    "CAUSAL",
+    "PADDING",
+    "BATCH",
+    "CAUSAL_TEST",
+    "BATCH_TEST",
+    "ASSIGNMENT",
+    "Reference",
+    "planted",
+    "CAUSAL_BUGS",
+    "BATCH_BUGS",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The trusted reference, with switches that reproduce the usual mistakes
+
+
+def _finish(mask: torch.Tensor, form: str) -> torch.Tensor:
+    """The bool ``mask`` in the form a mistake returns it."""
+    if form == "float":
+        return mask.to(torch.float32)
+    if form == "int":
+        return mask.to(torch.int64)
+    if form == "additive":
+        return torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    return mask
+
+
+class Reference:
+    """The checker's own masks (trusted side), written out with switches for mistakes."""
+
+    @staticmethod
+    def causal(length: int, *, rule: str = "ok", form: str = "bool", lead: bool = False,
+               invert: bool = False) -> torch.Tensor:
+        """(L, L) bool: key j allowed for query i iff j <= i (``rule`` changes the comparison)."""
+        i = torch.arange(length)[:, None]
+        j = torch.arange(length)[None, :]
+        mask = {"ok": j <= i, "sees_next": j <= i + 1, "no_diagonal": j < i, "upper": j >= i,
+                "all": (j >= 0) & (i >= 0), "none": (j < 0) & (i < 0)}[rule]
+        if invert:
+            mask = ~mask
+        mask = _finish(mask, form)
+        return mask[None] if lead else mask
+
+    @staticmethod
+    def padding(lengths: torch.Tensor, max_len: int, *, end: str = "right", shift: int = 0,
+                ignore_lengths: bool = False, ignore_max_len: bool = False, invert: bool = False,
+                form: str = "bool", layout: str = "ok") -> torch.Tensor:
+        """(B, max_len) bool, True at positions j < lengths[b] (the real tokens)."""
+        n = int(lengths.max()) if ignore_max_len and lengths.numel() else max_len
+        pos = torch.arange(n)[None, :]
+        lens = lengths[:, None]
+        if ignore_lengths:
+            mask = torch.ones(lengths.shape[0], n, dtype=torch.bool)
+        elif end == "left":
+            mask = pos >= n - lens
+        else:
+            mask = pos < lens + shift
+        if invert:
+            mask = ~mask
+        mask = _finish(mask, form)
+        if layout == "transposed":
+            return mask.T
+        if layout == "attention":
+            return mask[:, None, None, :]
+        return mask
+
+    @staticmethod
+    def batch(lengths: torch.Tensor, max_len: int, *, rule: str = "ok", keys: str = "ok",
+              where: str = "keys", combine: str = "and", invert: bool = False,
+              form: str = "bool", head_axis: bool = True,
+              ignore_max_len: bool = False) -> torch.Tensor:
+        """(B, 1, L, L) bool: causal AND the key padding of each sequence."""
+        b = lengths.shape[0]
+        n = int(lengths.max()) if ignore_max_len and lengths.numel() else max_len
+        causal = Reference.causal(n, rule=rule)[None, None]  # (1, 1, L, L)
+        pad = Reference.padding(lengths, n, end="left" if keys == "left" else "right",
+                                shift=1 if keys == "one_more" else 0,
+                                ignore_lengths=keys == "ignored")
+        as_keys, as_queries = pad[:, None, None, :], pad[:, None, :, None]
+        pad4 = as_queries if where == "queries" else as_keys
+        if combine == "or":
+            mask = causal | pad4
+        elif combine == "causal_only":
+            mask = causal.expand(b, 1, n, n)
+        elif combine == "padding_only":
+            mask = pad4.expand(b, 1, n, n)
+        else:
+            mask = causal & pad4
+        mask = mask.expand(b, 1, n, n).contiguous()
+        if invert:
+            mask = ~mask
+        mask = _finish(mask, form)
+        return mask if head_axis else mask[:, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Judging a mask: exact comparison, by dtype family
+
+
+def _family(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    if t.is_complex():
+        return "complex"
+    return "float" if t.is_floating_point() else "int"
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same shape, same kind of dtype (bool, float, int) and the same values."""
+    if tuple(got.shape) != tuple(want.shape) or _family(got) != _family(want):
+        return False
+    if _family(got) in ("bool", "complex"):
+        return bool(torch.equal(got, want))
+    return bool(torch.equal(got.double(), want.double()))
+
+
+class MaskChecker(Checker):
+    """A mask function's checker: exact comparison, mistakes matched by shape, dtype and value."""
+
+    what = "your function"
+    combine_pairs = False
+    axes = "(L, L)"
+
+    def build(self, spec: Spec, **options: Any) -> torch.Tensor:
+        """The expected mask of ``spec`` with ``options`` (the mistakes' switches)."""
+        raise NotImplementedError
+
+    def forward(self, spec: Spec, x: dict[str, torch.Tensor], p: dict[str, torch.Tensor],
+                **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return {"mask": self.build(spec, **options)}, {}
+
+    def _judge_output(self, spec: Spec, raw: dict[str, Any], ref: dict[str, torch.Tensor],
+                      name: str) -> str | None:
+        got = raw["tensors"][f"out:{name}"]
+        want = ref[f"out:{name}"]
+        if _same(got, want):
+            return None
+        for m in self.mistakes:
+            try:
+                cand = self.build(spec, **m.options)
+            except Exception:  # a variant that cannot run on this case cannot match
+                continue
+            if _same(got, cand):
+                return m.hint
+        if _family(got) != "bool":
+            return (f"the mask has dtype {got.dtype}: return a bool tensor, True where the query "
+                    "may attend (the book's convention, that of F.scaled_dot_product_attention)")
+        if tuple(got.shape) != tuple(want.shape):
+            return (f"wrong shape: expected {self.axes} = {shape_str(want.shape)}, got "
+                    f"{shape_str(got.shape)}")
+        return self.where_wrong(got, want)
+
+    def where_wrong(self, got: torch.Tensor, want: torch.Tensor) -> str:
+        """The number of wrong entries and the first of them, in words."""
+        wrong = (got != want).nonzero()
+        first = tuple(int(v) for v in wrong[0])
+        should = "True (allowed)" if bool(want[first]) else "False (blocked)"
+        return (f"{len(wrong)} of {want.numel()} entries are wrong and match none of the known "
+                f"mistakes; the first is mask{list(first)}, which should be {should}")
+
+
+class CausalChecker(MaskChecker):
+    """The checker of ``causal_mask(length)``."""
+
+    name = "check_causal_mask"
+    target = "causal_mask"
+    axes = "(L, L)"
+    mistakes = (
+        Mistake("off by one: query t may also see key t + 1 (True just above the diagonal); "
+                "the rule is j <= i, as in torch.ones(L, L).tril()", {"rule": "sees_next"}),
+        Mistake("the diagonal is blocked: a position may attend to itself (j <= i, not j < i), "
+                "and the first query would have no key at all", {"rule": "no_diagonal"}),
+        Mistake("mask polarity inverted: True means 'may attend', so True on and below the "
+                "diagonal and False above it", {"invert": True}),
+        Mistake("the upper triangle (the transpose): query i may attend to keys j <= i, the "
+                "lower triangle, tril not triu", {"rule": "upper"}),
+        Mistake("a float mask of 0.0 and 1.0: return a bool tensor (for example "
+                "torch.ones(L, L, dtype=torch.bool).tril())", {"form": "float"}),
+        Mistake("an integer mask of 0 and 1: return a bool tensor (dtype=torch.bool)",
+                {"form": "int"}),
+        Mistake("an additive float mask (0 and -inf), PyTorch's other convention: this "
+                "assignment asks for the bool mask, True = may attend", {"form": "additive"}),
+        Mistake("the mask has an extra leading axis, (1, L, L): return (L, L), which "
+                "broadcasts over the batch by itself", {"lead": True}),
+        Mistake("every entry is True: that is no mask at all, every query sees the future",
+                {"rule": "all"}),
+        Mistake("every entry is False: no query may attend to anything", {"rule": "none"}),
+    )
+
+    def build(self, spec: Spec, **options: Any) -> torch.Tensor:
+        return Reference.causal(int(spec.literals[0]), **options)
+
+
+class PaddingChecker(MaskChecker):
+    """The checker of ``padding_mask(lengths, max_len)``."""
+
+    name = "check_padding_mask"
+    target = "padding_mask"
+    axes = "(B, max_len)"
+    mistakes = (
+        Mistake("mask polarity inverted: True marks a real token (a key that may be attended "
+                "to), False the padding", {"invert": True}),
+        Mistake("the padding is taken from the wrong end: padding comes after the real tokens, "
+                "so position j is real when j < lengths[b]", {"end": "left"}),
+        Mistake("off by one: the first padding position is marked real (j <= lengths[b]); use "
+                "j < lengths[b]", {"shift": 1}),
+        Mistake("off by one: the last real token is marked as padding (j < lengths[b] - 1); use "
+                "j < lengths[b]", {"shift": -1}),
+        Mistake("max_len is ignored: the mask is as wide as the longest sequence, but the batch "
+                "is padded to max_len, which may be longer", {"ignore_max_len": True}),
+        Mistake("the lengths are ignored: every position is marked real", {"ignore_lengths": True}),
+        Mistake("transposed: the mask is (max_len, B); it must be (B, max_len), one row per "
+                "sequence", {"layout": "transposed"}),
+        Mistake("the mask is already in attention form (B, 1, 1, max_len): this function "
+                "returns (B, max_len); batch_mask adds the axes", {"layout": "attention"}),
+        Mistake("a float mask of 0.0 and 1.0: return a bool tensor", {"form": "float"}),
+        Mistake("an integer mask of 0 and 1: return a bool tensor (a comparison such as "
+                "positions < lengths gives one)", {"form": "int"}),
+    )
+
+    def build(self, spec: Spec, **options: Any) -> torch.Tensor:
+        return Reference.padding(spec.tensors["lengths"], int(spec.literals[0]), **options)
+
+
+class BatchChecker(MaskChecker):
+    """The checker of ``batch_mask(lengths, max_len)``."""
+
+    name = "check_batch_mask"
+    target = "batch_mask"
+    axes = "(B, 1, L, L)"
+    mistakes = (
+        Mistake("off by one in the causal part: query t may also see key t + 1; the rule is "
+                "j <= i", {"rule": "sees_next"}),
+        Mistake("the diagonal is blocked: a real token may attend to itself (j <= i)",
+                {"rule": "no_diagonal"}),
+        Mistake("the causal part is transposed (upper triangle): query i may see keys j <= i",
+                {"rule": "upper"}),
+        Mistake("mask polarity inverted: True means 'may attend'", {"invert": True}),
+        Mistake("the padding is taken from the wrong end: padding comes after the real tokens",
+                {"keys": "left"}),
+        Mistake("the padding mask is applied to the queries (rows), alone or with the keys "
+                "(the two give the same mask here): the rows of padded queries must still allow "
+                "the real keys j <= i; it is the padded keys (columns) that are blocked, "
+                "pad[:, None, None, :]", {"where": "queries"}),
+        Mistake("the masks are combined with OR: a key is allowed only where both allow it, "
+                "causal & padding", {"combine": "or"}),
+        Mistake("the padding is ignored: only the causal mask is applied (right only when every "
+                "sequence fills max_len)", {"combine": "causal_only"}),
+        Mistake("the causal mask is missing: only the padding mask is applied",
+                {"combine": "padding_only"}),
+        Mistake("off by one in the padding: the first padding key is allowed (j <= lengths[b]); "
+                "use j < lengths[b]", {"keys": "one_more"}),
+        Mistake("max_len is ignored: L is taken as the longest length, but the batch is padded "
+                "to max_len", {"ignore_max_len": True}),
+        Mistake("no head axis: the mask is (B, L, L); return (B, 1, L, L) so that it broadcasts "
+                "over the heads", {"head_axis": False}),
+        Mistake("a float mask of 0.0 and 1.0: return a bool tensor", {"form": "float"}),
+        Mistake("an additive float mask (0 and -inf): return the bool mask, True = may attend",
+                {"form": "additive"}),
+    )
+
+    def build(self, spec: Spec, **options: Any) -> torch.Tensor:
+        return Reference.batch(spec.tensors["lengths"], int(spec.literals[0]), **options)
+
+
+def _length_case(low: int, high: int | None = None) -> Any:
+    def make(gen: torch.Generator) -> Spec:
+        n = low if high is None else int(torch.randint(low, high + 1, (1,), generator=gen))
+        return Spec("function", {}, [], literals=[n], outputs=["mask"], out_dtype="torch.bool")
+    return make
+
+
+def _lengths_case(batch: int, max_len: int, kind: str) -> Any:
+    """Random lengths: "full" has one sequence of max_len, "short" none, "zero" a 0 and a full."""
+    def make(gen: torch.Generator) -> Spec:
+        if kind == "all_full":
+            lens = torch.full((batch,), max_len)
+        else:
+            lens = torch.randint(1, max_len, (batch,), generator=gen)
+        if kind == "full":
+            lens[int(torch.randint(0, batch, (1,), generator=gen))] = max_len
+        elif kind == "zero":
+            order = torch.randperm(batch, generator=gen)
+            lens[order[0]], lens[order[1]] = 0, max_len
+        return Spec("function", {"lengths": lens}, ["lengths"], literals=[max_len],
+                    outputs=["mask"], out_dtype="torch.bool")
+    return make
+
+
+# --------------------------------------------------------------------------------------------
+# The planted implementations the student's tests are run on (student side)
+
+CAUSAL_BUGS: dict[str, str] = {
+    "sees_next": "a causal mask that is off by one: position t also sees t + 1 (True just above "
+                 "the diagonal)",
+    "no_diagonal": "a causal mask without the diagonal (j < i): a position cannot see itself",
+    "inverted": "a causal mask with the polarity inverted (True above the diagonal)",
+    "upper": "the transposed causal mask (the upper triangle)",
+    "late_leak": "a causal mask that is right for short sequences only: from position 4 on, t "
+                 "also sees t + 1 (try lengths of 6 and more)",
+    "all_true": "a mask that blocks nothing (all True)",
+    "float": "a causal mask of the right pattern as float 0.0 / 1.0 instead of bool",
+    "additive": "an additive float mask (0 / -inf) instead of the bool mask",
+    "lead_axis": "a causal mask of shape (1, L, L) instead of (L, L)",
+}
+BATCH_BUGS: dict[str, str] = {
+    "sees_next": "a batch mask whose causal part is off by one: position t also sees t + 1",
+    "inverted": "a batch mask with the polarity inverted",
+    "left": "a batch mask that takes the padding from the wrong end (the first positions)",
+    "queries": "a batch mask that applies the padding to the queries (rows) instead of the keys "
+               "(columns): it blocks the rows of padded queries",
+    "or": "a batch mask that combines causal and padding with OR instead of AND",
+    "no_padding": "a batch mask that ignores the lengths (right only when every sequence fills "
+                  "max_len: test a batch with short sequences)",
+    "no_causal": "a batch mask without its causal part (padding only)",
+    "one_more": "a batch mask whose padding is off by one (the first padding key allowed)",
+    "max_len": "a batch mask that ignores max_len and uses the longest length (test a batch in "
+               "which no sequence fills max_len)",
+    "no_head_axis": "a batch mask of shape (B, L, L) instead of (B, 1, L, L)",
+    "float": "a batch mask of the right pattern as float 0.0 / 1.0 instead of bool",
+}
+_CAUSAL_CODES = ["ok", *CAUSAL_BUGS]
+_BATCH_CODES = ["ok", *BATCH_BUGS]
+
+
+def _positions(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n)[:, None], torch.arange(n)[None, :]
+
+
+def _planted_causal(length: Any, code: int) -> torch.Tensor:
+    n = operator.index(length)
+    if n < 0:
+        raise ValueError(f"length must be >= 0, got {n}")
+    name = _CAUSAL_CODES[code]
+    i, j = _positions(n)
+    if name == "sees_next":
+        mask = j <= i + 1
+    elif name == "no_diagonal":
+        mask = j < i
+    elif name == "inverted":
+        mask = j > i
+    elif name == "upper":
+        mask = j >= i
+    elif name == "late_leak":
+        mask = j <= i + (i >= 4).long()
+    elif name == "all_true":
+        mask = torch.ones(n, n, dtype=torch.bool)
+    else:
+        mask = j <= i
+    if name == "float":
+        return mask.float()
+    if name == "additive":
+        return torch.zeros(n, n).masked_fill(~mask, float("-inf"))
+    return mask[None] if name == "lead_axis" else mask
+
+
+def _planted_batch(lengths: Any, max_len: Any, code: int) -> torch.Tensor:
+    lens = torch.as_tensor(lengths)
+    if lens.dim() != 1 or lens.dtype.is_floating_point or lens.dtype == torch.bool:
+        raise ValueError(f"lengths must be a 1-dim integer tensor, got {lengths!r}")
+    n = operator.index(max_len)
+    name = _BATCH_CODES[code]
+    if name == "max_len" and lens.numel():
+        n = int(lens.max())
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > n):
+        raise ValueError(f"lengths must lie in [0, max_len={n}], got {lens.tolist()}")
+    b = lens.shape[0]
+    i, j = _positions(n)
+    causal = (j <= i + 1) if name == "sees_next" else (j <= i)
+    pos = torch.arange(n)[None, :]
+    if name == "left":
+        real = pos >= n - lens[:, None]
+    elif name == "one_more":
+        real = pos <= lens[:, None]
+    else:
+        real = pos < lens[:, None]
+    keys, queries = real[:, None, None, :], real[:, None, :, None]
+    if name == "queries":
+        mask = causal & queries
+    elif name == "or":
+        mask = causal | keys
+    elif name == "no_padding":
+        mask = causal[None, None].expand(b, 1, n, n)
+    elif name == "no_causal":
+        mask = keys.expand(b, 1, n, n)
+    else:
+        mask = causal & keys
+    mask = mask.expand(b, 1, n, n).contiguous()
+    if name == "inverted":
+        return ~mask
+    if name == "float":
+        return mask.float()
+    return mask[:, 0] if name == "no_head_axis" else mask
+
+
+def planted(family: str, code: int) -> Any:
+    """An implementation to run a student's test on; every one has the same name and code."""
+    if family == "causal":
+        def causal_mask(length):  # noqa: ANN001, ANN202 (as a student would write it)
+            return _planted_causal(length, code)
+        return causal_mask
+
+    def batch_mask(lengths, max_len):  # noqa: ANN001, ANN202
+        return _planted_batch(lengths, max_len, code)
+    return batch_mask
+
+
+ERROR_BYTES = 200
+
+
+def _encode(text: str) -> torch.Tensor:
+    data = text.encode("utf-8", "replace")[:ERROR_BYTES]
+    out = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+    if data:
+        out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return out
+
+
+def _decode(row: torch.Tensor) -> str:
+    data = bytes(int(v) for v in row.tolist() if 0 < int(v) < 256)
+    text = " ".join(data.decode("utf-8", "replace").split())
+    return "".join(c for c in text if c.isprintable())[:ERROR_BYTES]
+
+
+def run_mask_test(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
+    """Student side of a "mask_test" case: call the test on each implementation in turn.
+
+    ``spec.literals`` is (family, codes): the implementations, in the order to run them. Returns
+    ``outcomes`` (0 = the test returned, 1 = it raised AssertionError, 2 = it raised something
+    else) and ``errors``, the text of each exception as bytes.
+    """
+    if not callable(obj):
+        raise StudentError("type", f"expected a function, got {type(obj).__name__}")
+    family, codes = spec.literals[0], list(spec.literals[1])
+    outcomes = torch.zeros(len(codes), dtype=torch.int64)
+    errors = torch.zeros(len(codes), ERROR_BYTES, dtype=torch.uint8)
+    for k, code in enumerate(codes):
+        try:
+            obj(planted(family, int(code)))
+        except CaseTimeout:
+            raise
+        except NotImplementedError:
+            raise StudentError("call", "NotImplementedError") from None
+        except AssertionError as exc:
+            outcomes[k] = 1
+            errors[k] = _encode(f"AssertionError: {exc}" if str(exc) else "AssertionError")
+        except BaseException as exc:  # noqa: BLE001 (a test that fails by crashing still fails)
+            outcomes[k] = 2
+            errors[k] = _encode(f"{type(exc).__name__}: {exc}")
+    return outcomes, errors
+
+
+register_runner("mask_test", run_mask_test)
+
+
+class MaskTestChecker(Checker):
+    """The checker of a behaviour test the student wrote: run on right and planted wrong code."""
+
+    what = "your test"
+    combine_pairs = False
+    family = ""
+    bugs: dict[str, str] = {}
+
+    def forward(self, spec: Spec, x: dict[str, torch.Tensor], p: dict[str, torch.Tensor],
+                **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return {}, {}
+
+    def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
+        if raw.get("status") != "ok":
+            return super().judge(spec, raw)
+        codes = [int(c) for c in spec.literals[1]]
+        outcomes = raw["tensors"].get("out:outcomes")
+        errors = raw["tensors"].get("out:errors")
+        if (not isinstance(outcomes, torch.Tensor) or tuple(outcomes.shape) != (len(codes),)
+                or outcomes.dtype != torch.int64 or not isinstance(errors, torch.Tensor)
+                or tuple(errors.shape) != (len(codes), ERROR_BYTES)
+                or errors.dtype != torch.uint8):
+            return "the result of running your test could not be read"
+        result = [int(v) for v in outcomes]
+        if any(v not in (0, 1, 2) for v in result):
+            return "the result of running your test could not be read"
+        right = [k for k, c in enumerate(codes) if c == 0]
+        failed = [k for k in right if result[k] != 0]
+        if failed:
+            text = _decode(errors[failed[0]]) or "an exception"
+            return (f"your test fails the correct implementation ({text}), so it cannot tell "
+                    "right from wrong: a bug it 'catches' earns nothing while the right mask "
+                    "fails too")
+        codes_list = _CAUSAL_CODES if self.family == "causal" else _BATCH_CODES
+        missed = [codes_list[c] for k, c in enumerate(codes) if c != 0 and result[k] == 0]
+        if missed:
+            return f"your test lets through {self.bugs[missed[0]]}"
+        return None
+
+
+def _test_case(family: str, bug: str, copies: int = 2) -> Any:
+    codes_list = _CAUSAL_CODES if family == "causal" else _BATCH_CODES
+
+    def make(gen: torch.Generator) -> Spec:
+        codes = [0] * copies + ([codes_list.index(bug)] * copies if bug != "ok" else [0])
+        order = torch.randperm(len(codes), generator=gen).tolist()
+        return Spec("mask_test", {}, [], literals=[family, [codes[k] for k in order]],
+                    outputs=["outcomes", "errors"], out_dtype="torch.int64")
+    return make
+
+
+class CausalTestChecker(MaskTestChecker):
+    """The checker of ``test_causal_mask(causal_mask_fn)``."""
+
+    name = "check_causal_mask_test"
+    target = "test_causal_mask"
+    family = "causal"
+    bugs = CAUSAL_BUGS
+    mistakes = tuple(Mistake(f"your test lets through {hint}", {"bug": name})
+                     for name, hint in CAUSAL_BUGS.items())
+
+
+class BatchTestChecker(MaskTestChecker):
+    """The checker of ``test_batch_mask(batch_mask_fn)``."""
+
+    name = "check_batch_mask_test"
+    target = "test_batch_mask"
+    family = "batch"
+    bugs = BATCH_BUGS
+    mistakes = tuple(Mistake(f"your test lets through {hint}", {"bug": name})
+                     for name, hint in BATCH_BUGS.items())
+
+
+def _test_cases(family: str, bugs: dict[str, str]) -> list[Case]:
+    cases = [Case(name, f"your test catches {hint}", _test_case(family, name))
+             for name, hint in bugs.items()]
+    # Worth no points by itself (every case above holds the right implementation too, and
+    # counts only if it passes), so that a test that passes everything earns nothing; last, so
+    # that a test that remembers what it saw in an earlier call learns nothing from it.
+    cases.append(Case("accepts_right", "your test passes the correct implementation",
+                      _test_case(family, "ok", copies=3), points=0))
+    return cases
+
+
+# Points per case: the one place where this assignment's points are declared.
+CAUSAL = CausalChecker([
+    Case("length_5", "causal_mask(5)", _length_case(5), points=2),
+    Case("length_1", "causal_mask(1): a single position sees itself", _length_case(1)),
+    Case("long", "a longer sequence, L from 9 to 16", _length_case(9, 16)),
+    Case("length_0", "causal_mask(0): an empty (0, 0) mask", _length_case(0)),
+])
+PADDING = PaddingChecker([
+    Case("one_full", "lengths (3,), one of them max_len = 6", _lengths_case(3, 6, "full"),
+         points=2),
+    Case("none_full", "lengths (2,), none of them max_len = 7", _lengths_case(2, 7, "short")),
+    Case("zero_length", "lengths (4,) with a 0 and a max_len = 5", _lengths_case(4, 5, "zero")),
+    Case("all_full", "one sequence that fills max_len = 4", _lengths_case(1, 4, "all_full")),
+])
+BATCH = BatchChecker([
+    Case("one_full", "lengths (3,), one of them max_len = 6", _lengths_case(3, 6, "full"),
+         points=2),
+    Case("none_full", "lengths (2,), none of them max_len = 7", _lengths_case(2, 7, "short")),
+    Case("zero_length", "lengths (4,) with a 0 and a max_len = 5", _lengths_case(4, 5, "zero")),
+    Case("all_full", "two sequences that fill max_len = 5", _lengths_case(2, 5, "all_full")),
+    Case("single", "one sequence of length 1, max_len = 1", _lengths_case(1, 1, "all_full")),
+])
+CAUSAL_TEST = CausalTestChecker(_test_cases("causal", CAUSAL_BUGS))
+BATCH_TEST = BatchTestChecker(_test_cases("batch", BATCH_BUGS))
+
+_FUNCTIONS = ("check_causal_mask", "check_padding_mask", "check_batch_mask")
+ASSIGNMENT = Assignment(
+    name="a3_masks",
+    checkers=[CAUSAL, PADDING, BATCH, CAUSAL_TEST, BATCH_TEST],
+    rules=[
+        Rule("module", "utils.masks", "imports utils.masks, the book's reference masks that this "
+             "assignment asks you to write"),
+        Rule("code", "utils.checks.a3_masks", "uses the checker's own reference masks",
+             qualname="Reference"),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's "
+             "nn.Transformer.generate_square_subsequent_mask for the mask this assignment asks "
+             "you to write", qualname="Transformer.generate_square_subsequent_mask",
+             checks=_FUNCTIONS),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's _generate_square_subsequent_"
+             "mask for the mask this assignment asks you to write",
+             qualname="_generate_square_subsequent_mask", checks=_FUNCTIONS),
+    ],
+)
+
+
+def check_causal_mask(fn: Any, verbose: bool = True) -> CheckResult:
+    """Check ``fn(length) -> (L, L)`` bool, True on and below the diagonal."""
+    return run_in_process(CAUSAL, fn, verbose)
+
+
+def check_padding_mask(fn: Any, verbose: bool = True) -> CheckResult:
+    """Check ``fn(lengths, max_len) -> (B, max_len)`` bool, True at the real tokens."""
+    return run_in_process(PADDING, fn, verbose)
+
+
+def check_batch_mask(fn: Any, verbose: bool = True) -> CheckResult:
+    """Check ``fn(lengths, max_len) -> (B, 1, L, L)`` bool: causal AND key padding."""
+    return run_in_process(BATCH, fn, verbose)
+
+
+def check_causal_mask_test(test: Any, verbose: bool = True) -> CheckResult:
+    """Run the student's ``test(causal_mask_fn)`` on right and planted wrong causal masks.
+
+    A case passes when the test returns quietly on every copy of the right implementation and
+    raises on every copy of that case's planted bug.
+    """
+    return run_in_process(CAUSAL_TEST, test, verbose)
+
+
+def check_batch_mask_test(test: Any, verbose: bool = True) -> CheckResult:
+    """Run the student's ``test(batch_mask_fn)`` on right and planted wrong batch masks."""
+    return run_in_process(BATCH_TEST, test, verbose)
