@@ -17,6 +17,7 @@ from __future__ import annotations
 from .a1_attention import check_scaled_dot_product_attention
 from .a2_multi_head_attention import check_multi_head_attention
 from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
+from .a5_feed_forward import check_swiglu_feed_forward, check_top_k_moe
 from .a6_encoder_layer import check_encoder_layer
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
@@ -29,5 +30,7 @@ __all__ = [
     "check_multi_head_attention",
     "check_positional_encoding",
     "check_layer_norm",
+    "check_swiglu_feed_forward",
+    "check_top_k_moe",
     "check_encoder_layer",
 ]
