@@ -363,7 +363,21 @@ def test_handwritten_swiglu_mistakes(cls, phrase):
     assert not result.passed and any(phrase in h for h in result.hints), result.hints
 
 
+class MoEExpertsInAList(MoE):
+    def __init__(self, d_model, d_ff, num_experts, k):
+        super().__init__(d_model, d_ff, num_experts, k)
+        experts = list(self.experts)
+        del self.experts
+        self.experts = experts
+
+
+class MoEWrongExperts(MoE):
+    ffn = SwiGLUSwapped
+
+
 @pytest.mark.parametrize("cls, phrase", [
+    (MoEExpertsInAList, "`experts` is a Python list: make it an nn.ModuleList"),
+    (MoEWrongExperts, "at your SwiGLUFeedForward"),
     (MoEOverwrite, "overwrite each other"),
     (MoEHuggingFaceAux, "f_i is divided by N"),
     (MoEAuxDetached, "detached from the router"),

@@ -84,6 +84,12 @@ def run_module(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
         raise StudentError("build", f"building it returned {type(module).__name__}, not an "
                                     "nn.Module")
     names = _param_names(spec)
+    for first in dict.fromkeys(n.split(".")[0] for n in names):
+        held = getattr(module, first, None)
+        if isinstance(held, (list, tuple)):
+            raise StudentError("type", f"`{first}` is a Python {type(held).__name__}: make it "
+                                       "an nn.ModuleList, so that the weights of its modules "
+                                       "are parameters of your module")
     for path in names:
         owner, last = _resolve(module, path)
         target = getattr(owner, last, None)
@@ -367,7 +373,8 @@ class MoEChecker(_Checker):
         if name == "output" and "out:routing" in tensors and _allclose(
                 tensors["out:routing"], ref["out:routing"], 0.0, 0.0):
             return ("`last_routing` is right, so look at how the experts' outputs are weighted "
-                    "and added up")
+                    "and added up, and at your SwiGLUFeedForward, which the experts are (does it "
+                    "pass its own check?)")
         if name == "aux_loss":
             return "compare your loss with E * sum_i f_i P_i step by step"
         return "compare your code with the routing rule step by step"
