@@ -24,6 +24,7 @@ from .a3_masks import (
     check_padding_mask,
 )
 from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
+from .a5_feed_forward import check_swiglu_feed_forward, check_top_k_moe
 from .a6_encoder_layer import check_encoder_layer
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
@@ -41,5 +42,7 @@ __all__ = [
     "check_batch_mask_test",
     "check_positional_encoding",
     "check_layer_norm",
+    "check_swiglu_feed_forward",
+    "check_top_k_moe",
     "check_encoder_layer",
 ]
