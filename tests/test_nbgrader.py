@@ -39,8 +39,10 @@ def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _solution_cells(nb: nbformat.NotebookNode) -> list[int]:
-    return [i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution")]
+def _solution_cells(nb: nbformat.NotebookNode, kind: str = "code") -> list[int]:
+    """The solution cells of ``kind``: "code", or "markdown" (the written answers)."""
+    return [i for i, c in enumerate(nb.cells)
+            if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == kind]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,8 @@ def course(tmp_path_factory):
     _nbgrader(course, "export")
     with open(course / "grades.csv", newline="") as f:
         scores = {r["student_id"]: r for r in csv.DictReader(f)}
-    return {"release": release, "source": source, "cells": cells, "scores": scores}
+    return {"release": release, "source": source, "cells": cells, "scores": scores,
+            "answers": _solution_cells(source, "markdown")}
 
 
 def test_generate_assignment_removes_every_solution(course):
@@ -88,12 +91,22 @@ def test_generate_assignment_removes_every_solution(course):
     for cell in release.cells:
         if cell.cell_type == "code":
             assert not cell.outputs
+    # the written answers: the model answer (between markers in HTML comments) is gone
+    assert course["answers"], "the source notebook has no answer cell"
+    for i in course["answers"]:
+        assert release.cells[i].source == "**Answer.**\n\nYOUR ANSWER HERE"
+
+
+def _written_points(course) -> float:
+    return sum(course["source"].cells[i].metadata["nbgrader"]["points"] for i in course["answers"])
 
 
 def test_autograde_gives_the_right_submission_full_points(course):
+    """All the autograded points; the written answers count in the maximum but wait for a
+    person to grade them."""
     top = sum(c.points for c in CHECKER.cases)
     row = course["scores"]["right"]
-    assert float(row["max_score"]) == top
+    assert float(row["max_score"]) == top + _written_points(course)
     assert float(row["score"]) == top
 
 
