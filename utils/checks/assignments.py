@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from . import a1_attention, a2_multi_head_attention, a4_positional_layer_norm, a6_encoder_layer
+from . import a7_decoder_layer
 from .guard import Assignment
 
 ASSIGNMENTS: dict[str, Assignment] = {
     a.name: a for a in (a1_attention.ASSIGNMENT, a2_multi_head_attention.ASSIGNMENT,
-                        a4_positional_layer_norm.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT)
+                        a4_positional_layer_norm.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT,
+                        a7_decoder_layer.ASSIGNMENT)
 }
