@@ -398,8 +398,32 @@ class DecoderLayer(nn.TransformerDecoderLayer):
     def causal_mask(length):
         return nn.Transformer.generate_square_subsequent_mask(length) == 0
 '''
+EVIL_WRAPPER = WRONG.split("    def forward")[0].replace(
+    "        self.norm_first = norm_first\n",
+    "        self.norm_first = norm_first\n"
+    "        self.inner = nn.TransformerDecoderLayer(d_model, nhead, dim_feedforward, dropout,\n"
+    "                                                activation, batch_first=True,\n"
+    "                                                norm_first=norm_first)\n") + '''
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        inner = self.inner
+        with torch.no_grad():  # the checker's weights, copied into torch's layer
+            for ours, theirs in ((self.self_attn, inner.self_attn),
+                                 (self.multihead_attn, inner.multihead_attn)):
+                theirs.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight,
+                                                       ours.w_v.weight]))
+                theirs.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias,
+                                                     ours.w_v.bias]))
+                theirs.out_proj.weight.copy_(ours.w_o.weight)
+                theirs.out_proj.bias.copy_(ours.w_o.bias)
+            for name in ("linear1", "linear2", "norm1", "norm2", "norm3"):
+                getattr(inner, name).weight.copy_(getattr(self, name).weight)
+                getattr(inner, name).bias.copy_(getattr(self, name).bias)
+        pad = None if memory_mask is None else ~memory_mask[:, 0, 0]
+        causal = None if tgt_mask is None or tgt_mask.dim() != 2 else ~tgt_mask
+        return inner(x, memory, tgt_mask=causal, memory_key_padding_mask=pad)
+'''
 STUDENTS = {"ok_a7_book": None, "bad_a7_norms": WRONG, "evil_a7_import": EVIL_IMPORT,
-            "evil_a7_torch_layer": EVIL_TORCH}
+            "evil_a7_torch_layer": EVIL_TORCH, "evil_a7_wrapper": EVIL_WRAPPER}
 
 
 def _solution_index(nb) -> int:
@@ -457,6 +481,13 @@ def test_grading_hostile_submissions(graded):
     row = rows["evil_a7_torch_layer"]
     assert float(row["score"]) == 0 and "reference used" in row["flags"]
     assert "nn.TransformerDecoderLayer" in feedback["evil_a7_torch_layer"]
+    # torch's layer held inside and called with the checker's weights: seen while it runs.
+    # The monitor reports each call site once per process, so the case where it is first seen
+    # is the one that loses its points; the flag is on the whole submission.
+    row = rows["evil_a7_wrapper"]
+    assert float(row["score"]) < float(row["max_score"]) and "reference used" in row["flags"]
+    assert float(row["decoder_layer.post_ln"]) == 0
+    assert "nn.TransformerDecoderLayer" in feedback["evil_a7_wrapper"]
 
 
 def test_the_static_scan_and_the_registry():

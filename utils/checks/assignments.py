@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from . import a1_attention, a2_multi_head_attention, a4_positional_layer_norm, a6_encoder_layer
-from . import a7_decoder_layer
+from . import (
+    a1_attention,
+    a2_multi_head_attention,
+    a4_positional_layer_norm,
+    a6_encoder_layer,
+    a7_decoder_layer,
+)
 from .guard import Assignment
 
 ASSIGNMENTS: dict[str, Assignment] = {
