@@ -285,6 +285,43 @@ class DecoderChecker(Checker):
                 {"drop_in_eval": True}, combine=False),
     )
 
+    def all_mistakes(self) -> list[Mistake]:
+        """None here: `extra_variants` gives, case by case, the mistakes that can show in it."""
+        return []
+
+    def extra_variants(self, spec: Spec, raw: dict[str, torch.Tensor]) -> list[Mistake]:
+        """The mistakes that change the output of this case, and their pairs.
+
+        The mistakes of the mask alone show only in the two cases that use the student's mask,
+        a mask mistake only in a case with that mask, dropout only where dropout is 1.0, ...:
+        leaving out the others keeps the search (and a wrong notebook's wait) short.
+        """
+        if spec.kind == MASK_KIND:
+            return [m for m in self.mistakes if "causal" in m.options]
+        t = spec.tensors
+        mask_3d = "tgt_mask" in t and t["tgt_mask"].dim() == 3
+        masked = spec.kind == CAUSALITY_KIND or "tgt_mask" in t or "memory_mask" in t
+        gelu = spec.ctor_kwargs.get("activation") == "gelu"
+        pre = bool(spec.ctor_kwargs.get("norm_first"))
+        dropout = len(spec.ctor_args) > 3 and spec.ctor_args[3] == 1.0
+
+        def shows(m: Mistake) -> bool:
+            o = m.options
+            return not (("causal" in o and spec.kind != CAUSALITY_KIND)
+                        or (("sa_mask" in o or "ca_mask" in o or "invert" in o) and not masked)
+                        or ("head_axis" in o and not mask_3d)
+                        or (("drop" in o or "drop_in_eval" in o) and not dropout)
+                        or (o.get("act") in ("relu", "gelu_tanh") and not gelu)
+                        or (("ca_query" in o or "final_norm" in o or "pre_from_norm" in o)
+                            and not pre))
+
+        singles = [m for m in self.mistakes if shows(m)]
+        pool = [m for m in singles if m.combine]
+        pairs = [Mistake(f"{a.hint}; and {b.hint}", {**a.options, **b.options})
+                 for i, a in enumerate(pool) for b in pool[i + 1:]
+                 if not set(a.options) & set(b.options)]
+        return singles + pairs
+
     def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
         hint = super().judge(spec, raw)
         status = raw.get("status")
@@ -292,12 +329,15 @@ class DecoderChecker(Checker):
             hint += (" (the checker builds your layer with dropout=1.0, which nn.Dropout accepts, "
                      "to see where dropout acts: build the attentions without dropout, as the "
                      "assignment says)")
-        if hint and status == "call" and spec.kind != MASK_KIND and "must match" in hint:
+        if (hint and status == "call" and spec.kind != MASK_KIND
+                and ("must match" in hint or "broadcast" in hint)):
             l_t, l_s = spec.tensors["x"].shape[1], spec.tensors["memory"].shape[1]
             if l_t != l_s:
                 hint += (f" (here the target has L_t = {l_t} positions and the memory L_s = "
-                         f"{l_s}: the cross-attention's queries come from x and its keys and "
-                         "values from memory, so its output has x's length)")
+                         f"{l_s}: the cross-attention takes its queries from x and its keys "
+                         "and values from memory, so its output has x's length, and each mask "
+                         "goes to its own attention: tgt_mask to self_attn, memory_mask to "
+                         "multihead_attn)")
         if hint and status == "ok" and spec.kind == CAUSALITY_KIND:
             hint = self._causality(spec, raw["tensors"]) + hint
         return hint
