@@ -134,15 +134,23 @@ class Dec(nn.Module):
         m = self.mode
         drop = ((lambda t: F.dropout(t, self.p, training=True)) if m == "drop_in_eval"
                 else self.dropout)
+        act = {"always_relu": F.relu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "no_act": lambda t: t}.get(m, self.activation)
+        if m == "invert":
+            tgt_mask, memory_mask = (None if k is None else ~k for k in (tgt_mask, memory_mask))
+        if m == "no_head_axis" and tgt_mask is not None and tgt_mask.dim() == 3:
+            tgt_mask = tgt_mask[None]  # (1, B, L, L): the batch axis meets the heads
         sa_mask = {"no_tgt_mask": None, "memory_mask_in_self": memory_mask,
                    "masks_swapped": memory_mask}.get(m, tgt_mask)
         ca_mask = {"no_memory_mask": None, "masks_swapped": tgt_mask,
                    "tgt_to_cross": tgt_mask}.get(m, memory_mask)
-        n_sa, n_ca, n_ff = ((self.norm1, self.norm3, self.norm2) if m == "norm23" else
-                            (self.norm1, self.norm2, self.norm3))
+        n_sa, n_ca, n_ff = {"norm23": (self.norm1, self.norm3, self.norm2),
+                            "norm12": (self.norm2, self.norm1, self.norm3)}.get(
+                                m, (self.norm1, self.norm2, self.norm3))
 
         def sa(y):
-            return drop(self.self_attn(y, y, y, sa_mask))
+            out = self.self_attn(y, y, y, sa_mask)
+            return out if m == "no_sa_dropout" else drop(out)
 
         def ca(y, mem):
             if m == "cross_swap":
@@ -154,18 +162,27 @@ class Dec(nn.Module):
             return out if m == "no_ca_dropout" else drop(out)
 
         def ff(y):
-            return drop(self.linear2(drop(self.activation(self.linear1(y)))))
+            h = act(self.linear1(y))
+            out = self.linear2(h if m == "no_ff_dropout_at_all" else drop(h))
+            return out if m in ("no_ff_dropout", "no_ff_dropout_at_all") else drop(out)
+
+        def add(y, f_y, which):
+            out = f_y if m in ("no_residual", f"no_{which}_residual") else y + f_y
+            return drop(out) if m == "drop_sum" else out
 
         mem = n_ca(memory) if m == "norm_memory" else memory
         if self.norm_first != (m == "flip"):
-            x = x + sa(n_sa(x))
+            h = n_sa(x)
+            x = add(h if m == "pre_from_norm" else x, sa(h), "sa")
             h = n_ca(x)
-            x = (0 if m == "no_ca_residual" else x) + ca(x if m == "pre_raw_query" else h, mem)
-            x = x + ff(n_ff(x))
+            x = add(h if m == "pre_from_norm" else x, ca(x if m == "pre_raw_query" else h, mem),
+                    "ca")
+            h = n_ff(x)
+            x = add(h if m == "pre_from_norm" else x, ff(h), "ff")
             return self.norm3(x) if m == "final_norm" else x
-        x = n_sa(x + sa(x))
-        x = n_ca(ca(x, mem) if m == "no_ca_residual" else x + ca(x, mem))
-        return n_ff(x + ff(x))
+        x = n_sa(add(x, sa(x), "sa"))
+        x = n_ca(add(x, ca(x, mem), "ca"))
+        return n_ff(add(x, ff(x), "ff"))
 
 
 def _variant(mode="ok", mask_mode="ok"):
@@ -209,6 +226,20 @@ MISTAKES = [
     ("ok", "upper", "transposed (triu)"),
     ("ok", "inverted", "causal mask polarity inverted"),
     ("ok", "additive", "additive float mask"),
+    ("no_head_axis", "ok", "lines up its batch axis with the heads"),
+    ("invert", "ok", "mask polarity inverted: True means 'may attend'"),
+    ("norm12", "ok", "norm1 and norm2 swapped"),
+    ("pre_from_norm", "ok", "residual is taken from norm(x)"),
+    ("no_residual", "ok", "residual connections are missing"),
+    ("no_sa_residual", "ok", "self-attention block's residual is missing"),
+    ("no_ff_residual", "ok", "feed-forward block's residual is missing"),
+    ("always_relu", "ok", "activation argument is ignored"),
+    ("gelu_tanh", "ok", "tanh approximation"),
+    ("no_act", "ok", "no activation between linear1 and linear2"),
+    ("no_sa_dropout", "ok", "no dropout on the self-attention output"),
+    ("no_ff_dropout", "ok", "no dropout on the feed-forward output"),
+    ("no_ff_dropout_at_all", "ok", "no dropout in the feed-forward block at all"),
+    ("drop_sum", "ok", "dropout applied to the residual sum"),
 ]
 
 
@@ -219,11 +250,12 @@ def test_each_mistake_is_named(mode, mask_mode, phrase):
     assert not result.passed and any(phrase in h for h in result.hints), result.hints
 
 
-def test_enough_mistakes_are_named_and_tested():
+def test_every_named_mistake_is_tested():
+    """At least eight mistakes, and each one made by real code in `test_each_mistake_is_named`."""
     assert len({m.hint for m in CHECKER.mistakes}) >= 8
-    hints = " ".join(m.hint for m in CHECKER.mistakes)
-    for _, _, phrase in MISTAKES:
-        assert phrase in hints, phrase
+    for mistake in CHECKER.mistakes:
+        assert any(mistake.hint.startswith(phrase) or phrase in mistake.hint
+                   for _, _, phrase in MISTAKES), mistake.hint
 
 
 def test_a_mismatch_of_lengths_gets_a_note():
