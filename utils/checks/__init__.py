@@ -26,6 +26,7 @@ from .a3_masks import (
 from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
 from .a5_feed_forward import check_swiglu_feed_forward, check_top_k_moe
 from .a6_encoder_layer import check_encoder_layer
+from .a7_decoder_layer import check_decoder_layer
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
 
@@ -45,4 +46,5 @@ __all__ = [
     "check_swiglu_feed_forward",
     "check_top_k_moe",
     "check_encoder_layer",
+    "check_decoder_layer",
 ]

@@ -9,11 +9,13 @@ from . import (
     a4_positional_layer_norm,
     a5_feed_forward,
     a6_encoder_layer,
+    a7_decoder_layer,
 )
 from .guard import Assignment
 
 ASSIGNMENTS: dict[str, Assignment] = {
     a.name: a for a in (a1_attention.ASSIGNMENT, a2_multi_head_attention.ASSIGNMENT,
                         a3_masks.ASSIGNMENT, a4_positional_layer_norm.ASSIGNMENT,
-                        a5_feed_forward.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT)
+                        a5_feed_forward.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT,
+                        a7_decoder_layer.ASSIGNMENT)
 }

@@ -1,0 +1,524 @@
+"""Assignment 7: a decoder layer, post-LN and pre-LN, with its causal mask.
+
+The student writes ``DecoderLayer(d_model, nhead, dim_feedforward, dropout=0.0,
+activation="relu", norm_first=False)`` with attributes ``self_attn`` and ``multihead_attn``
+(each with ``w_q``, ``w_k``, ``w_v``, ``w_o``), ``linear1``, ``linear2``, ``norm1``, ``norm2``
+and ``norm3``, named as in ``torch.nn.TransformerDecoderLayer``; ``forward(x, memory,
+tgt_mask=None, memory_mask=None)``; and a static method ``causal_mask(length)``.
+
+Besides the usual cases (output and gradients against a float64 reference that equals torch's
+layer), two kinds of case of its own run through `core.register_runner`:
+
+* ``decoder_mask`` calls ``DecoderLayer.causal_mask(L)`` and returns the mask;
+* ``decoder_causality`` builds the layer, makes the causal mask with the student's
+  ``causal_mask``, and runs the layer twice: on the target ``x`` and on ``x_changed``, the same
+  target with every token from a position ``t`` on replaced. It returns both outputs, raw. The
+  trusted side (`DecoderChecker.judge`) reads from them whether an output before ``t`` moved,
+  and compares both with the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .a2_multi_head_attention import mha, mha_params
+from .a6_encoder_layer import _ACTS
+from .core import (
+    Case,
+    CaseTimeout,
+    Checker,
+    CheckResult,
+    Mistake,
+    Spec,
+    StudentError,
+    _exception_text,
+    _load_params,
+    register_runner,
+    run_in_process,
+)
+from .guard import Assignment, Rule
+
+__all__ = ["check_decoder_layer", "CHECKER", "ASSIGNMENT", "decoder_layer", "causal_variant"]
+
+MASK_KIND = "decoder_mask"
+CAUSALITY_KIND = "decoder_causality"
+
+
+def causal_variant(length: int, variant: str = "ok") -> torch.Tensor:
+    """The (L, L) causal mask (bool, True = may attend), or one of the usual wrong ones."""
+    ones = torch.ones(length, length, dtype=torch.bool)
+    if variant == "strict":  # the diagonal hidden: position i sees 0..i-1
+        return ones.tril(-1)
+    if variant == "ahead":  # off by one: position i sees 0..i+1
+        return ones.tril(1)
+    if variant == "upper":  # transposed
+        return ones.triu()
+    if variant == "inverted":  # polarity inverted
+        return ~ones.tril()
+    if variant == "additive":  # PyTorch's float convention
+        return torch.zeros(length, length).masked_fill(~ones.tril(), float("-inf"))
+    return ones.tril()
+
+
+def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Tensor,
+                  tgt_mask: torch.Tensor | None, memory_mask: torch.Tensor | None, *,
+                  nhead: int, norm_first: bool, activation: str, dropout: float = 0.0,
+                  train: bool = False, flip_norm_first: bool = False, swap_norms: str = "",
+                  residual: str = "all", cross: str = "ok", sa_mask: str = "tgt",
+                  ca_mask: str = "memory", ca_query: str = "ok", norm_memory: bool = False,
+                  pre_from_norm: bool = False, final_norm: bool = False, act: str | None = None,
+                  drop: str = "ok", drop_in_eval: bool = False,
+                  trace: dict[str, torch.Tensor] | None = None,
+                  **attend_kw: Any) -> torch.Tensor:
+    """A decoder layer written out (float64 in the checker), with switches for common mistakes.
+
+    Shapes: x (B, L_t, d_model), memory (B, L_s, d_model), tgt_mask broadcastable to
+    (B, h, L_t, L_t) (a 3-dimensional one gets a head axis), memory_mask broadcastable to
+    (B, h, L_t, L_s); returns (B, L_t, d_model). Post-LN::
+
+        x = norm1(x + SA(x)); x = norm2(x + CA(x, memory)); x = norm3(x + FF(x))
+
+    pre-LN: ``x = x + SA(norm1(x)); x = x + CA(norm2(x), memory); x = x + FF(norm3(x))``.
+    Dropout is modelled for p = 0 and p = 1 only (the checker's cases), where it is exact.
+    """
+    d = x.shape[-1]
+    names = {"sa": "norm1", "ca": "norm2", "ff": "norm3"}
+    if swap_norms == "23":
+        names["ca"], names["ff"] = "norm3", "norm2"
+    elif swap_norms == "12":
+        names["sa"], names["ca"] = "norm2", "norm1"
+    masks = {"tgt": tgt_mask, "memory": memory_mask, "none": None}
+    activation_fn = _ACTS[act or activation]
+    p_drop = dropout if (train or drop_in_eval) else 0.0
+    trace = {} if trace is None else trace
+
+    def record(name: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if f"trace_in:{name}" not in trace:
+            trace[f"trace_in:{name}"], trace[f"trace_out:{name}"] = inp, out
+        return out
+
+    def dropped(y: torch.Tensor) -> torch.Tensor:
+        if p_drop == 0.0:
+            return y
+        if p_drop == 1.0:
+            return torch.zeros_like(y)
+        raise ValueError("only dropout 0 and 1 are modelled")
+
+    def norm(y: torch.Tensor, name: str) -> torch.Tensor:
+        return record(name, y, F.layer_norm(y, (d,), p[f"{name}.weight"], p[f"{name}.bias"],
+                                            1e-5))
+
+    def sa(y: torch.Tensor) -> torch.Tensor:
+        out = record("self_attn", y, mha(p, nhead, y, y, y, masks[sa_mask], prefix="self_attn.",
+                                         **attend_kw))
+        return out if drop == "no_sa" else dropped(out)
+
+    def ca(y: torch.Tensor) -> torch.Tensor:
+        mem = norm(memory, names["ca"]) if norm_memory else memory
+        q, kv = {"ok": (y, mem), "swap_qk": (mem, y), "kv_from_x": (y, y)}[cross]
+        out = record("multihead_attn", q, mha(p, nhead, q, kv, kv, masks[ca_mask],
+                                              prefix="multihead_attn.", **attend_kw))
+        return out if drop == "no_ca" else dropped(out)
+
+    def ff(y: torch.Tensor) -> torch.Tensor:
+        h = record("linear1", y, F.linear(y, p["linear1.weight"], p["linear1.bias"]))
+        h = activation_fn(h)
+        if drop != "no_ff_at_all":
+            h = dropped(h)
+        out = record("linear2", h, F.linear(h, p["linear2.weight"], p["linear2.bias"]))
+        return out if drop in ("no_ff", "no_ff_at_all") else dropped(out)
+
+    def add(y: torch.Tensor, f_y: torch.Tensor, which: str) -> torch.Tensor:
+        out = f_y if residual in ("none", which) else y + f_y
+        return dropped(out) if drop == "sum" else out
+
+    if norm_first != flip_norm_first:
+        h = norm(x, names["sa"])
+        x = add(h if pre_from_norm else x, sa(h), "sa")
+        h = norm(x, names["ca"])
+        x = add(h if pre_from_norm else x, ca(x if ca_query == "raw" else h), "ca")
+        h = norm(x, names["ff"])
+        x = add(h if pre_from_norm else x, ff(h), "ff")
+        return norm(x, "norm3") if final_norm else x
+    x = norm(add(x, sa(x), "sa"), names["sa"])
+    x = norm(add(x, ca(x), "ca"), names["ca"])
+    return norm(add(x, ff(x), "ff"), names["ff"])
+
+
+# --------------------------------------------------------------------------------------------
+# The student side of the two kinds of case of this assignment
+
+
+def _mask_method(obj: Any) -> Any:
+    fn = getattr(obj, "causal_mask", None)
+    if not callable(fn):
+        raise StudentError("type", "your DecoderLayer has no static method `causal_mask(length)`: "
+                                   "the checker makes the causal mask with it")
+    return fn
+
+
+def _run_mask(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
+    """``DecoderLayer.causal_mask(L)``, as the student wrote it."""
+    return _mask_method(obj)(*spec.literals)
+
+
+def _run_causality(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
+    """The student's layer, with the student's causal mask, on ``x`` and on ``x_changed``.
+
+    Returns both outputs; what they mean is decided on the trusted side.
+    """
+    try:
+        module = obj(*spec.ctor_args, **spec.ctor_kwargs)
+    except CaseTimeout:
+        raise
+    except BaseException as exc:  # the student's mistake: report it
+        raise StudentError("build", _exception_text(exc)) from None
+    if not isinstance(module, torch.nn.Module):
+        raise StudentError("build", f"building it returned {type(module).__name__}, not an "
+                                    "nn.Module")
+    _load_params(module, spec.params)
+    module.train(spec.train)
+    mask = _mask_method(obj)(inputs["x"].shape[1])
+    kwargs = {k: inputs[n] for k, n in spec.kwargs.items()}
+    first = module(inputs["x"], inputs["memory"], tgt_mask=mask, **kwargs)
+    second = module(inputs["x_changed"], inputs["memory"], tgt_mask=mask, **kwargs)
+    return first, second
+
+
+register_runner(MASK_KIND, _run_mask)
+register_runner(CAUSALITY_KIND, _run_causality)
+
+
+# --------------------------------------------------------------------------------------------
+# The trusted side
+
+
+class DecoderChecker(Checker):
+    """The checker of the ``DecoderLayer`` module (and of its ``causal_mask``)."""
+
+    name = "check_decoder_layer"
+    target = "DecoderLayer"
+    what = "your layer"
+    shape_desc = {"output": "(B, L_t, d_model)", "output_changed": "(B, L_t, d_model)",
+                  "mask": "(L, L)"}
+    mistakes = (
+        # the causal mask
+        Mistake("the causal mask is off by one: it lets position i see position i + 1 too; "
+                "position i may attend to positions 0..i (tril with diagonal 0)",
+                {"causal": "ahead"}),
+        Mistake("the causal mask hides the diagonal: position i may attend to positions 0..i, "
+                "itself included (tril with diagonal 0, not -1)", {"causal": "strict"}),
+        Mistake("the causal mask is transposed (triu): row i is query i and must allow the keys "
+                "0..i, a lower-triangular matrix", {"causal": "upper"}),
+        Mistake("causal mask polarity inverted: True means 'may attend', so the keys j <= i are "
+                "True", {"causal": "inverted"}),
+        Mistake("an additive float mask (0 and -inf), PyTorch's convention for nn.Transformer: "
+                "the book's masks are bool, True = may attend", {"causal": "additive"}),
+        # the masks in the layer
+        Mistake("the target mask is ignored, so the causal mask never reaches the "
+                "self-attention: pass tgt_mask to self_attn", {"sa_mask": "none"}),
+        Mistake("the memory mask is ignored: pass memory_mask to the cross-attention, so that "
+                "source padding gets no weight", {"ca_mask": "none"}),
+        Mistake("the memory mask is applied to the self-attention (and tgt_mask is ignored): "
+                "tgt_mask goes to self_attn, memory_mask to multihead_attn",
+                {"sa_mask": "memory"}),
+        Mistake("the two masks are swapped: tgt_mask goes to self_attn, memory_mask to "
+                "multihead_attn", {"sa_mask": "memory", "ca_mask": "tgt"}),
+        Mistake("the target mask is applied to the cross-attention: the memory is known whole, "
+                "only its padding is masked, with memory_mask", {"ca_mask": "tgt"}),
+        Mistake("a 3-dimensional mask (B, L, L) lines up its batch axis with the heads: it needs "
+                "a head axis, (B, 1, L, L)", {"head_axis": False}),
+        Mistake("mask polarity inverted: True means 'may attend'", {"invert": True}),
+        # cross-attention
+        Mistake("cross-attention's queries and keys swapped: the queries come from the decoder "
+                "(x), the keys and values from memory, multihead_attn(x, memory, memory)",
+                {"cross": "swap_qk"}),
+        Mistake("the cross-attention attends over x, not over memory: multihead_attn(x, memory, "
+                "memory)", {"cross": "kv_from_x"}),
+        Mistake("in pre-LN the cross-attention's queries are the un-normalized x: use "
+                "x + CA(norm2(x), memory)", {"ca_query": "raw"}),
+        Mistake("the memory is normalized (by norm2) before the cross-attention: norm2 "
+                "normalizes only the decoder's x; the memory is used as it comes",
+                {"norm_memory": True}),
+        # norms and residuals
+        Mistake("pre-LN and post-LN swapped: with norm_first=True normalize before each "
+                "sublayer, x + f(norm(x)); with norm_first=False normalize after the residual "
+                "sum, norm(x + f(x))", {"flip_norm_first": True}),
+        Mistake("norm2 and norm3 swapped: norm1 goes with self-attention, norm2 with "
+                "cross-attention, norm3 with the feed-forward network", {"swap_norms": "23"}),
+        Mistake("norm1 and norm2 swapped: norm1 goes with self-attention, norm2 with "
+                "cross-attention, norm3 with the feed-forward network", {"swap_norms": "12"}),
+        Mistake("in pre-LN the residual is taken from norm(x): add each sublayer's output to x "
+                "itself, x + f(norm(x))", {"pre_from_norm": True}),
+        Mistake("a pre-LN layer that normalizes its output at the end: the layer returns "
+                "x + FF(norm3(x)) as it is; the final norm belongs to the stack "
+                "(nn.TransformerDecoder's norm)", {"final_norm": True}),
+        Mistake("the residual connections are missing: add each sublayer's input to its output",
+                {"residual": "none"}),
+        Mistake("the cross-attention block's residual is missing: x + CA(...), not CA(...) alone",
+                {"residual": "ca"}),
+        Mistake("the self-attention block's residual is missing: x + SA(...), not SA(...) alone",
+                {"residual": "sa"}),
+        Mistake("the feed-forward block's residual is missing: x + FF(...), not FF(...) alone",
+                {"residual": "ff"}),
+        # feed-forward
+        Mistake("the activation argument is ignored (always ReLU)", {"act": "relu"}),
+        Mistake("GELU with the tanh approximation: use the exact GELU (F.gelu), as torch's "
+                "decoder layer does", {"act": "gelu_tanh"}),
+        Mistake("no activation between linear1 and linear2", {"act": "none"}),
+        # dropout
+        Mistake("no dropout on the cross-attention output: apply it to each sublayer's output "
+                "before the residual sum", {"drop": "no_ca"}, combine=False),
+        Mistake("no dropout on the self-attention output: apply it to each sublayer's output "
+                "before the residual sum", {"drop": "no_sa"}, combine=False),
+        Mistake("no dropout on the feed-forward output: apply it to each sublayer's output "
+                "before the residual sum", {"drop": "no_ff"}, combine=False),
+        Mistake("no dropout in the feed-forward block at all: apply it after the activation and "
+                "on the block's output", {"drop": "no_ff_at_all"}, combine=False),
+        Mistake("dropout applied to the residual sum: apply it to each sublayer's output, "
+                "before the sum", {"drop": "sum"}, combine=False),
+        Mistake("dropout is active in eval mode: use nn.Dropout modules (or pass "
+                "training=self.training to F.dropout), which module.eval() switches off",
+                {"drop_in_eval": True}, combine=False),
+    )
+
+    def all_mistakes(self) -> list[Mistake]:
+        """None here: `extra_variants` gives, case by case, the mistakes that can show in it."""
+        return []
+
+    def extra_variants(self, spec: Spec, raw: dict[str, torch.Tensor]) -> list[Mistake]:
+        """The mistakes that change the output of this case, and their pairs.
+
+        The mistakes of the mask alone show only in the two cases that use the student's mask,
+        a mask mistake only in a case with that mask, dropout only where dropout is 1.0, ...:
+        leaving out the others keeps the search (and a wrong notebook's wait) short.
+        """
+        if spec.kind == MASK_KIND:
+            return [m for m in self.mistakes if "causal" in m.options]
+        t = spec.tensors
+        mask_3d = "tgt_mask" in t and t["tgt_mask"].dim() == 3
+        masked = spec.kind == CAUSALITY_KIND or "tgt_mask" in t or "memory_mask" in t
+        gelu = spec.ctor_kwargs.get("activation") == "gelu"
+        pre = bool(spec.ctor_kwargs.get("norm_first"))
+        dropout = len(spec.ctor_args) > 3 and spec.ctor_args[3] == 1.0
+
+        def shows(m: Mistake) -> bool:
+            o = m.options
+            return not (("causal" in o and spec.kind != CAUSALITY_KIND)
+                        or (("sa_mask" in o or "ca_mask" in o or "invert" in o) and not masked)
+                        or ("head_axis" in o and not mask_3d)
+                        or (("drop" in o or "drop_in_eval" in o) and not dropout)
+                        or (o.get("act") in ("relu", "gelu_tanh") and not gelu)
+                        or (("ca_query" in o or "final_norm" in o or "pre_from_norm" in o)
+                            and not pre))
+
+        singles = [m for m in self.mistakes if shows(m)]
+        if dropout:  # where dropout is tested, a dropout mistake is the likelier explanation
+            singles.sort(key=lambda m: not ("drop" in m.options or "drop_in_eval" in m.options))
+        pool = [m for m in singles if m.combine]
+        pairs = [Mistake(f"{a.hint}; and {b.hint}", {**a.options, **b.options})
+                 for i, a in enumerate(pool) for b in pool[i + 1:]
+                 if not set(a.options) & set(b.options)]
+        return singles + pairs
+
+    def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
+        hint = super().judge(spec, raw)
+        status = raw.get("status")
+        if hint and status == "build" and len(spec.ctor_args) > 3 and spec.ctor_args[3] == 1.0:
+            hint += (" (the checker builds your layer with dropout=1.0, which nn.Dropout accepts, "
+                     "to see where dropout acts: build the attentions without dropout, as the "
+                     "assignment says)")
+        if (hint and status == "call" and spec.kind != MASK_KIND
+                and ("must match" in hint or "broadcast" in hint)):
+            l_t, l_s = spec.tensors["x"].shape[1], spec.tensors["memory"].shape[1]
+            if l_t != l_s:
+                hint += (f" (here the target has L_t = {l_t} positions and the memory L_s = "
+                         f"{l_s}: the cross-attention takes its queries from x and its keys "
+                         "and values from memory, so its output has x's length, and each mask "
+                         "goes to its own attention: tgt_mask to self_attn, memory_mask to "
+                         "multihead_attn)")
+        if hint and status == "ok" and spec.kind == CAUSALITY_KIND:
+            hint = self._causality(spec, raw["tensors"]) + hint
+        return hint
+
+    def _causality(self, spec: Spec, tensors: dict[str, torch.Tensor]) -> str:
+        """What the two raw outputs say about looking ahead, as the start of the hint."""
+        t = int(spec.config["changed_from"])
+        a, b = tensors.get("out:output"), tensors.get("out:output_changed")
+        want = tuple(spec.tensors["x"].shape)
+        if a is None or b is None or tuple(a.shape) != want or tuple(b.shape) != want:
+            return ""
+        a, b = a.double(), b.double()
+        moved = ((a[:, :t] - b[:, :t]).abs() > 1e-5 + 1e-5 * a[:, :t].abs()).any(dim=0).any(-1)
+        early = [i for i in range(t) if bool(moved[i])]
+        if early:
+            return (f"your layer looks ahead: only the target tokens from position {t} on were "
+                    f"changed, yet the output at position {early[0]} (of 0..{t - 1}) changed "
+                    "too; ")
+        return (f"your layer is causal (no output before position {t} changed when the tokens "
+                f"from position {t} on did), but ")
+
+    def forward(self, spec: Spec, x: dict[str, torch.Tensor], p: dict[str, torch.Tensor],
+                **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        causal = options.pop("causal", "ok")
+        if spec.kind == MASK_KIND:
+            return {"mask": causal_variant(int(spec.literals[0]), causal)}, {}
+        _, nhead, _, dropout = spec.ctor_args
+        kw = {"nhead": nhead, "dropout": dropout, "train": spec.train, **spec.ctor_kwargs,
+              **options}
+        if spec.kind == CAUSALITY_KIND:
+            tgt_mask = causal_variant(x["x"].shape[1], causal)
+            memory_mask = x.get("memory_mask")
+            return {"output": decoder_layer(p, x["x"], x["memory"], tgt_mask, memory_mask, **kw),
+                    "output_changed": decoder_layer(p, x["x_changed"], x["memory"], tgt_mask,
+                                                    memory_mask, **kw)}, {}
+        trace: dict[str, torch.Tensor] = {}
+        out = decoder_layer(p, x["x"], x["memory"], x.get("tgt_mask"), x.get("memory_mask"),
+                            trace=trace, **kw)
+        return {"output": out}, trace
+
+
+def _params(gen: torch.Generator, d: int, d_ff: int) -> dict[str, torch.Tensor]:
+    params = mha_params(gen, d, "self_attn.")
+    params.update(mha_params(gen, d, "multihead_attn."))
+    params.update({
+        "linear1.weight": torch.randn(d_ff, d, generator=gen) / d**0.5,
+        "linear1.bias": 0.1 * torch.randn(d_ff, generator=gen),
+        "linear2.weight": torch.randn(d, d_ff, generator=gen) / d_ff**0.5,
+        "linear2.bias": 0.1 * torch.randn(d, generator=gen),
+    })
+    for n in ("norm1", "norm2", "norm3"):
+        params[f"{n}.weight"] = 1 + 0.3 * torch.randn(d, generator=gen)
+        params[f"{n}.bias"] = 0.3 * torch.randn(d, generator=gen)
+    return params
+
+
+def _real(gen: torch.Generator, b: int, length: int) -> torch.Tensor:
+    """(B, length) bool, True = real token; the first sequence is full, the others random."""
+    lengths = [length] + [int(v) for v in torch.randint(1, length, (b - 1,), generator=gen)]
+    return torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def _case(b: int, l_t: int, l_s: int, d: int, nhead: int, d_ff: int, norm_first: bool,
+          activation: str = "relu", tgt: str | None = None, memory_pad: bool = False,
+          dropout: float = 0.0, train: bool = False) -> Any:
+    """A module case; ``tgt`` is None, "causal" ((L_t, L_t)) or "causal_pad" ((B, L_t, L_t):
+    causal and target padding)."""
+    def make(gen: torch.Generator) -> Spec:
+        params = _params(gen, d, d_ff)
+        tensors = {"x": torch.randn(b, l_t, d, generator=gen),
+                   "memory": torch.randn(b, l_s, d, generator=gen)}
+        kwargs = {}
+        if tgt:
+            causal = torch.ones(l_t, l_t, dtype=torch.bool).tril()
+            tensors["tgt_mask"] = (causal if tgt == "causal" else
+                                   causal[None] & _real(gen, b, l_t)[:, None, :])
+            kwargs["tgt_mask"] = "tgt_mask"
+        if memory_pad:
+            tensors["memory_mask"] = _real(gen, b, l_s)[:, None, None, :]
+            kwargs["memory_mask"] = "memory_mask"
+        return Spec("module", tensors, ["x", "memory"], kwargs,
+                    ctor_args=[d, nhead, d_ff, dropout],
+                    ctor_kwargs={"activation": activation, "norm_first": norm_first},
+                    params=params, train=train,
+                    grad_out={"output": torch.randn(b, l_t, d, generator=gen)},
+                    grad_inputs=["x", "memory"],
+                    trace=["norm1", "self_attn", "norm2", "multihead_attn", "norm3", "linear1",
+                           "linear2"])
+    return make
+
+
+def _mask_case(length: int) -> Any:
+    def make(gen: torch.Generator) -> Spec:
+        return Spec(MASK_KIND, {}, [], literals=[length], outputs=["mask"],
+                    out_dtype="torch.bool")
+    return make
+
+
+def _causality_case(b: int, length: int, d: int, nhead: int, d_ff: int, norm_first: bool) -> Any:
+    def make(gen: torch.Generator) -> Spec:
+        params = _params(gen, d, d_ff)
+        x = torch.randn(b, length, d, generator=gen)
+        t = int(torch.randint(1, length, (1,), generator=gen))
+        changed = x.clone()
+        changed[:, t:] = torch.randn(b, length - t, d, generator=gen)
+        tensors = {"x": x, "x_changed": changed,
+                   "memory": torch.randn(b, length, d, generator=gen),
+                   "memory_mask": _real(gen, b, length)[:, None, None, :]}
+        return Spec(CAUSALITY_KIND, tensors, ["x", "memory"], {"memory_mask": "memory_mask"},
+                    ctor_args=[d, nhead, d_ff, 0.0],
+                    ctor_kwargs={"activation": "relu", "norm_first": norm_first},
+                    params=params, outputs=["output", "output_changed"],
+                    config={"changed_from": t})
+    return make
+
+
+# Points per case: the one place where this assignment's points are declared.
+CHECKER = DecoderChecker([
+    Case("post_ln", "post-LN (norm_first=False), x (2, 5, 16), memory (2, 7, 16), 4 heads",
+         _case(2, 5, 7, 16, 4, 32, False), points=2),
+    Case("pre_ln", "pre-LN (norm_first=True), x (2, 5, 16), memory (2, 7, 16), 4 heads",
+         _case(2, 5, 7, 16, 4, 32, True), points=2),
+    Case("post_causal", "post-LN with a causal target mask (6, 6), 2 heads",
+         _case(2, 6, 6, 8, 2, 16, False, tgt="causal"), points=2),
+    Case("post_memory_padding", "post-LN with a source padding mask (2, 1, 1, 6), 2 heads",
+         _case(2, 6, 6, 8, 2, 16, False, memory_pad=True), points=2),
+    Case("post_both", "post-LN, causal mask (6, 6) and source padding (3, 1, 1, 6)",
+         _case(3, 6, 6, 8, 2, 16, False, tgt="causal", memory_pad=True), points=2),
+    Case("pre_both_gelu", "pre-LN, GELU, target mask (B, L_t, L_t) = (2, 5, 5) (causal and "
+         "target padding), source padding (2, 1, 1, 7)",
+         _case(2, 5, 7, 8, 2, 16, True, "gelu", tgt="causal_pad", memory_pad=True), points=2),
+    Case("causal_mask", "DecoderLayer.causal_mask(7): (7, 7) bool, True = may attend",
+         _mask_case(7), points=1),
+    Case("causality", "causality: changing the target from a position t on changes no output "
+         "before t (pre-LN, your causal_mask, source padding)",
+         _causality_case(2, 6, 8, 2, 16, True), points=2),
+    Case("post_train_dropout", "training mode, dropout=1.0, post-LN: each sublayer's output is "
+         "dropped", _case(2, 5, 6, 8, 2, 16, False, dropout=1.0, train=True), points=1),
+    Case("pre_train_dropout", "training mode, dropout=1.0, pre-LN: each sublayer's output is "
+         "dropped", _case(2, 5, 6, 8, 2, 16, True, dropout=1.0, train=True), points=1),
+    Case("eval_dropout", "eval mode turns dropout off (dropout=1.0), pre-LN",
+         _case(2, 5, 6, 8, 2, 16, True, tgt="causal", memory_pad=True, dropout=1.0), points=1),
+])
+
+ASSIGNMENT = Assignment(
+    name="a7_decoder_layer",
+    checkers=[CHECKER],
+    rules=[
+        Rule("module", "utils.transformer", "imports utils.transformer, the book's reference "
+             "decoder layer that this assignment asks you to write"),
+        Rule("module", "utils.models", "imports utils.models, which holds the reference "
+             "decoder layer"),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's nn.TransformerDecoderLayer, "
+             "the module this assignment asks you to write",
+             qualname="TransformerDecoderLayer"),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's nn.TransformerDecoder",
+             qualname="TransformerDecoder"),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's nn.Transformer (its "
+             "generate_square_subsequent_mask is the causal mask this assignment asks for)",
+             qualname="Transformer"),
+        Rule("code", "torch.nn.modules.transformer", "uses torch's causal mask helper",
+             qualname="_generate_square_subsequent_mask"),
+        Rule("code", "utils.masks", "uses utils.masks.causal_mask, the book's version of the "
+             "causal mask this assignment asks for", qualname="causal_mask"),
+    ],
+)
+
+
+def check_decoder_layer(cls: Any, verbose: bool = True) -> CheckResult:
+    """Check a decoder layer class against the reference.
+
+    The checker builds ``cls(d_model, nhead, dim_feedforward, dropout, activation=...,
+    norm_first=...)``, copies known weights into ``self_attn`` and ``multihead_attn`` (``w_q``,
+    ``w_k``, ``w_v``, ``w_o``), ``linear1``, ``linear2``, ``norm1``, ``norm2`` and ``norm3``,
+    calls ``layer(x, memory)`` with ``tgt_mask`` ((L_t, L_t) or (B, L_t, L_t)) and
+    ``memory_mask`` ((B, 1, 1, L_s)) as keyword arguments when the case has them (bool, True =
+    may attend), and compares the output (B, L_t, d_model) and the gradients of x, memory and
+    every weight. One case checks ``cls.causal_mask(L)``; one checks causality itself: with the
+    mask from ``cls.causal_mask``, changing the target from a position t on must leave every
+    output before t as it was. Three cases check dropout, as in assignment 6.
+    """
+    return run_in_process(CHECKER, cls, verbose)
