@@ -514,10 +514,10 @@ def test_grading_hostile_submissions(graded):
     assert float(row["score"]) == 0 and "reference used" in row["flags"]
     assert "nn.TransformerDecoderLayer" in feedback["evil_a7_torch_layer"]
     # torch's layer held inside and called with the checker's weights: seen while it runs.
-    # The monitor reports each call site once per process, so the case where it is first seen
-    # is the one that loses its points; the flag is on the whole submission.
+    # The monitor reports each call site once per process, in the first case that reaches it;
+    # the grader voids every case of that checker, since the same code ran in all of them.
     row = rows["evil_a7_wrapper"]
-    assert float(row["score"]) < float(row["max_score"]) and "reference used" in row["flags"]
+    assert float(row["score"]) == 0 and "reference used" in row["flags"]
     assert float(row["decoder_layer.post_ln"]) == 0
     assert "nn.TransformerDecoderLayer" in feedback["evil_a7_wrapper"]
 

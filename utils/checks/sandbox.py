@@ -347,15 +347,21 @@ class Grading:
     # -- flags ------------------------------------------------------------------------------------
 
     def _apply_rule(self, rule_id: str, position: int | None, detail: str = "") -> None:
+        """Score 0 the cases that ``rule`` voids: every case it applies to for a module (or a use
+        seen outside a case), every case of the checker whose case at ``position`` called the
+        forbidden code otherwise. The child reports each forbidden call site once, so the first
+        case that reaches it is the only one known to; the code that made it runs in the other
+        cases of that checker as well."""
         rule = self.rules.get(rule_id)
         if rule is None:
             return
         self.result.flag("reference used")
         self.result.notes.append(f"{rule.reason}" + (f" ({detail})" if detail else ""))
+        seen_in = None if position is None else self.items[position][0]
         for i, (checker, _, _) in enumerate(self.items):
             if rule.checks and checker.name not in rule.checks:
                 continue
-            if rule.kind == "module" or position is None or i == position:
+            if rule.kind == "module" or seen_in is None or checker is seen_in:
                 if rule.reason not in self.case_flags[i]:
                     self.case_flags[i].append(rule.reason)
 
