@@ -18,6 +18,7 @@ from .a1_attention import check_scaled_dot_product_attention
 from .a2_multi_head_attention import check_multi_head_attention
 from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
 from .a6_encoder_layer import check_encoder_layer
+from .a8_train import check_training
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
 
@@ -30,4 +31,5 @@ __all__ = [
     "check_positional_encoding",
     "check_layer_norm",
     "check_encoder_layer",
+    "check_training",
 ]

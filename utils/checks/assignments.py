@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from . import a1_attention, a2_multi_head_attention, a4_positional_layer_norm, a6_encoder_layer
+from . import (
+    a1_attention,
+    a2_multi_head_attention,
+    a4_positional_layer_norm,
+    a6_encoder_layer,
+    a8_train,
+)
 from .guard import Assignment
 
 ASSIGNMENTS: dict[str, Assignment] = {
     a.name: a for a in (a1_attention.ASSIGNMENT, a2_multi_head_attention.ASSIGNMENT,
-                        a4_positional_layer_norm.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT)
+                        a4_positional_layer_norm.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT,
+                        a8_train.ASSIGNMENT)
 }

@@ -443,12 +443,13 @@ class Grading:
                 checker, case, spec = self.items[position]
                 child.send({"op": "case", "id": position, "target": checker.target,
                             "spec": spec.to_payload()}, tensors=True)
-                case_by = min(deadline, time.monotonic() + self.limits.case_s)
+                case_s = case.time_limit(self.limits.case_s)
+                case_by = min(deadline, time.monotonic() + case_s)
                 try:
                     raw = self._await_result(child, position, case_by)
                 except TimeoutError:
                     self.outcome[position] = (f"{checker.what} did not finish within "
-                                              f"{self.limits.case_s:g} s: an endless loop, or far "
+                                              f"{case_s:g} s: an endless loop, or far "
                                               "too much work?", "timeout")
                     return position + 1
                 except (EOFError, ProtocolError):
