@@ -69,7 +69,8 @@ MISTAKES = {
     "no_shift": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)",
                  "tgt_in = tgt", "step_input", "no_shift"),
     "no_bos": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  "
-               "# shift right\n    logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
+               "# shift right\n    logits = model(src, tgt_in, src != PAD, "
+               "causal_mask(tgt.shape[1]))",
                "tgt_in = tgt[:, :-1]\n    tgt = tgt[:, 1:]\n"
                "    logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
                "step_input", "no_bos"),
@@ -77,7 +78,8 @@ MISTAKES = {
                  "# shift right\n    logits = model(src, tgt_in, src != PAD, "
                  "causal_mask(tgt.shape[1]))         # (B, L_t, V)",
                  "tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt], dim=1)\n"
-                 "    logits = model(src, tgt_in, src != PAD, causal_mask(tgt_in.shape[1]))[:, :-1]",
+                 "    logits = model(src, tgt_in, src != PAD, "
+                 "causal_mask(tgt_in.shape[1]))[:, :-1]",
                  "step_input", "too_wide"),
     "no_causal": ("logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
                   "logits = model(src, tgt_in, src != PAD, None)", "step_causal", "no_causal"),
@@ -122,7 +124,7 @@ MISTAKES = {
     "first_eos_stops": ("if done.all():", "if done.any():", "greedy_batch", "first_eos_stops"),
     "off_by_one": ("for _ in range(max_len):", "for _ in range(max_len + 1):", "greedy_max_len",
                    "off_by_one"),
-    "no_training": ("    losses = []\n    for _, b in", "    losses = []\n    for _, b in []:  #",
+    "no_training": ("    for _ in range(steps):\n", "    for _ in range(0):\n",
                     "training", "no_training"),
 }
 

@@ -413,6 +413,10 @@ _MODES = {"model": _run_model, "train_step": _run_train_step, "greedy": _run_gre
 
 
 def _runner(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    # Tiny matrices gain nothing from a second thread, and on a busy machine threads that wait
+    # for each other slow training down several times over; the grader's child has one already.
+    # (`guarded_exercise` puts the caller's thread count back afterwards.)
+    torch.set_num_threads(1)
     return _MODES[spec.literals[0]](obj, spec, x)
 
 

@@ -46,7 +46,11 @@ MAX_ELEMENTS = 2_000_000  # per returned tensor; every case's tensors are far sm
 
 @dataclass
 class Limits:
-    """Wall-clock limits (seconds) and the memory limit (MiB) of one submission's child."""
+    """Wall-clock limits (seconds) and the memory limit (MiB) of one submission's child.
+
+    ``case_s`` is the limit of a case; a case that trains a model asks for more with its own
+    ``Case.time_s`` and gets the larger of the two. ``total_s`` bounds the whole notebook.
+    """
 
     case_s: float = 5.0
     cells_s: float = 30.0
