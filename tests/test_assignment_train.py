@@ -343,3 +343,14 @@ def test_grades_of_right_wrong_and_hostile_submissions(graded):
         assert "reference used" in rows[student]["flags"], rows[student]
         assert phrase in feedback[student]
         assert rows[student]["training.training"] == "0"
+
+
+def test_the_notebook_uses_the_checker_task_and_the_test_set_is_held_out():
+    ns = _namespace()
+    task = ns["TASK"]
+    assert (task.min_len, task.max_len, task.num_symbols) == tuple(a8_train.TASK_ARGS.values())
+    assert ns["BATCH_SIZE"] == a8_train.BATCH_SIZE and ns["V"] == a8_train.VOCAB
+    spec = SPECS["training"]
+    seen = a8_train.training_sources(spec.literals[2])
+    rows = {tuple(r[r != a8_train.PAD].tolist()) for r in spec.tensors["src"]}
+    assert len(rows) == a8_train.NUM_TEST and not rows & seen
