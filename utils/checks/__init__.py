@@ -1,7 +1,8 @@
 """Checkers for the programming assignments: run a student's code and say what is wrong.
 
-One module per assignment (`a1_attention`, `a2_multi_head_attention`, `a3_masks`,
-`a4_positional_layer_norm`, `a6_encoder_layer`) on a small shared core:
+One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_attention`,
+`a3_masks`, `a4_positional_layer_norm`, `a5_feed_forward`, `a6_encoder_layer`,
+`a7_decoder_layer`, `a8_train`), on a small shared core:
 
 * `core`: cases, the student side (`exercise`) and the trusted side (`Checker.judge`), results;
 * `guard`: what each assignment forbids and how the grader notices it;
@@ -27,6 +28,7 @@ from .a4_positional_layer_norm import check_layer_norm, check_positional_encodin
 from .a5_feed_forward import check_swiglu_feed_forward, check_top_k_moe
 from .a6_encoder_layer import check_encoder_layer
 from .a7_decoder_layer import check_decoder_layer
+from .a8_train import check_training
 from .assignments import ASSIGNMENTS
 from .core import CaseResult, CheckResult
 
@@ -47,4 +49,5 @@ __all__ = [
     "check_top_k_moe",
     "check_encoder_layer",
     "check_decoder_layer",
+    "check_training",
 ]

@@ -10,6 +10,7 @@ from . import (
     a5_feed_forward,
     a6_encoder_layer,
     a7_decoder_layer,
+    a8_train,
 )
 from .guard import Assignment
 
@@ -17,5 +18,5 @@ ASSIGNMENTS: dict[str, Assignment] = {
     a.name: a for a in (a1_attention.ASSIGNMENT, a2_multi_head_attention.ASSIGNMENT,
                         a3_masks.ASSIGNMENT, a4_positional_layer_norm.ASSIGNMENT,
                         a5_feed_forward.ASSIGNMENT, a6_encoder_layer.ASSIGNMENT,
-                        a7_decoder_layer.ASSIGNMENT)
+                        a7_decoder_layer.ASSIGNMENT, a8_train.ASSIGNMENT)
 }

@@ -451,13 +451,22 @@ Forward = Callable[..., tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 class Case:
     """One case of a checker: an id (a CSV column), a name (printed), points, and its input.
 
-    ``make(gen)`` draws the case's random values from ``gen`` and returns its `Spec`.
+    ``make(gen)`` draws the case's random values from ``gen`` and returns its `Spec`. ``time_s``
+    raises the case's wall-clock limit, in a notebook and in the grader, above the default (for a
+    case that trains a model); the grader's limit for the whole notebook still applies.
     """
 
     id: str
     name: str
     make: Callable[[torch.Generator], Spec]
     points: float = 1.0
+    time_s: float | None = None  # a longer wall-clock limit than the default (a case that trains)
+
+    def time_limit(self, default: float | None) -> float | None:
+        """The wall-clock limit of this case: ``default``, or ``time_s`` when that is longer."""
+        if default is None or self.time_s is None:
+            return default
+        return max(default, self.time_s)
 
 
 def _allclose(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float,
@@ -731,7 +740,7 @@ def run_in_process(checker: Checker, obj: Any, verbose: bool = True,
     """
     result = CheckResult(checker.name)
     for case, spec in zip(checker.cases, checker.specs(), strict=True):
-        raw = guarded_exercise(obj, spec, timeout)
+        raw = guarded_exercise(obj, spec, case.time_limit(timeout))
         try:
             hint = checker.judge(spec, raw)
         except Exception as exc:  # the judge must never take the notebook down

@@ -46,7 +46,11 @@ MAX_ELEMENTS = 2_000_000  # per returned tensor; every case's tensors are far sm
 
 @dataclass
 class Limits:
-    """Wall-clock limits (seconds) and the memory limit (MiB) of one submission's child."""
+    """Wall-clock limits (seconds) and the memory limit (MiB) of one submission's child.
+
+    ``case_s`` is the limit of a case; a case that trains a model asks for more with its own
+    ``Case.time_s`` and gets the larger of the two. ``total_s`` bounds the whole notebook.
+    """
 
     case_s: float = 5.0
     cells_s: float = 30.0
@@ -449,12 +453,13 @@ class Grading:
                 checker, case, spec = self.items[position]
                 child.send({"op": "case", "id": position, "target": checker.target,
                             "spec": spec.to_payload()}, tensors=True)
-                case_by = min(deadline, time.monotonic() + self.limits.case_s)
+                case_s = case.time_limit(self.limits.case_s)
+                case_by = min(deadline, time.monotonic() + case_s)
                 try:
                     raw = self._await_result(child, position, case_by)
                 except TimeoutError:
                     self.outcome[position] = (f"{checker.what} did not finish within "
-                                              f"{self.limits.case_s:g} s: an endless loop, or far "
+                                              f"{case_s:g} s: an endless loop, or far "
                                               "too much work?", "timeout")
                     return position + 1
                 except (EOFError, ProtocolError):
