@@ -50,8 +50,23 @@ def student_dir(tmp_path_factory):
     return out
 
 
-def test_there_are_four_assignments_with_solutions_and_checks():
-    assert len(ASSIGNMENTS) >= 4
+def test_the_table_of_contents_lists_the_assignments_in_order_with_chapters_and_time():
+    """"For courses": every assignment, in the order of utils.checks.ASSIGNMENTS (the book's
+    order), titled with the chapters it assumes and an estimate of the time it takes."""
+    import yaml
+
+    from utils.checks import ASSIGNMENTS as CHECKED
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    part = next(p for p in toc["parts"] if p["caption"] == "For courses")
+    entries = [s for s in part["chapters"][0]["sections"] if "title" in s]
+    assert [Path(s["file"]).name for s in entries] == list(CHECKED) == [p.stem for p in ASSIGNMENTS]
+    for number, entry in enumerate(entries, start=1):
+        assert re.fullmatch(rf"{number}\. .+ · chapters? [\d, ]+ · [\d.]+ h", entry["title"]), entry
+
+
+def test_there_are_eight_assignments_with_solutions_and_checks():
+    assert len(ASSIGNMENTS) == 8
     for path in ASSIGNMENTS:
         sources = [c.source for c in nbformat.read(path, as_version=4).cells
                    if c.cell_type == "code"]
