@@ -8,6 +8,7 @@ activation="relu", norm_first=False)`` with attributes ``self_attn`` (``w_q``, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,28 @@ __all__ = ["check_encoder_layer", "CHECKER", "ASSIGNMENT", "encoder_layer"]
 
 _ACTS = {"relu": F.relu, "gelu": F.gelu, "none": lambda t: t,
          "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def trace_recorder(trace: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor, torch.Tensor],
+                                                              torch.Tensor]:
+    """``record(name, inp, out)``: keep the first input and output seen under ``name`` in
+    ``trace`` (``trace_in:NAME``, ``trace_out:NAME``) and return ``out``."""
+    def record(name: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if f"trace_in:{name}" not in trace:
+            trace[f"trace_in:{name}"], trace[f"trace_out:{name}"] = inp, out
+        return out
+    return record
+
+
+def exact_dropout(p_drop: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Dropout with probability 0 or 1, the two where it is exact whatever the random numbers."""
+    def dropped(y: torch.Tensor) -> torch.Tensor:
+        if p_drop == 0.0:
+            return y
+        if p_drop == 1.0:
+            return torch.zeros_like(y)
+        raise ValueError("only dropout 0 and 1 are modelled")
+    return dropped
 
 
 def encoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None, *,
@@ -45,17 +68,8 @@ def encoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tenso
     p_drop = dropout if active else 0.0
     trace = {} if trace is None else trace
 
-    def record(name: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if f"trace_in:{name}" not in trace:
-            trace[f"trace_in:{name}"], trace[f"trace_out:{name}"] = inp, out
-        return out
-
-    def dropped(y: torch.Tensor) -> torch.Tensor:
-        if p_drop == 0.0:
-            return y
-        if p_drop == 1.0:
-            return torch.zeros_like(y)
-        raise ValueError("only dropout 0 and 1 are modelled")
+    record = trace_recorder(trace)
+    dropped = exact_dropout(p_drop)
 
     def norm(y: torch.Tensor, name: str) -> torch.Tensor:
         return record(name, y, F.layer_norm(y, (d,), p[f"{name}.weight"], p[f"{name}.bias"],

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .a2_multi_head_attention import mha, mha_params
-from .a6_encoder_layer import _ACTS
+from .a6_encoder_layer import _ACTS, exact_dropout, trace_recorder
 from .core import (
     Case,
     CaseTimeout,
@@ -95,17 +95,8 @@ def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Ten
     p_drop = dropout if (train or drop_in_eval) else 0.0
     trace = {} if trace is None else trace
 
-    def record(name: str, inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if f"trace_in:{name}" not in trace:
-            trace[f"trace_in:{name}"], trace[f"trace_out:{name}"] = inp, out
-        return out
-
-    def dropped(y: torch.Tensor) -> torch.Tensor:
-        if p_drop == 0.0:
-            return y
-        if p_drop == 1.0:
-            return torch.zeros_like(y)
-        raise ValueError("only dropout 0 and 1 are modelled")
+    record = trace_recorder(trace)
+    dropped = exact_dropout(p_drop)
 
     def norm(y: torch.Tensor, name: str) -> torch.Tensor:
         return record(name, y, F.layer_norm(y, (d,), p[f"{name}.weight"], p[f"{name}.bias"],
