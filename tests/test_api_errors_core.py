@@ -11,6 +11,7 @@ latter checked output for output.
 from __future__ import annotations
 
 import math
+import random
 
 import matplotlib
 
@@ -807,3 +808,20 @@ def test_norm_from_torch_refuses_what_it_cannot_copy(call, exc, phrase):
     with pytest.raises(exc) as info:
         call()
     assert phrase in str(info.value)
+
+
+def test_broadcast_shape_follows_torch():
+    """The plain-Python broadcast rule used by the checks agrees with torch.broadcast_shapes,
+    including sizes 0 and 1, and shapes that do not broadcast (None where torch raises)."""
+    from utils._validation import broadcast_shape
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        shapes = [tuple(rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(0, 4)))
+                  for _ in range(rng.randint(1, 3))]
+        try:
+            expected = tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            expected = None
+        assert broadcast_shape(*shapes) == expected, shapes
+    assert broadcast_shape() == ()

@@ -67,13 +67,26 @@ def require_rank(name: str, t: torch.Tensor, expected: str, *, min_rank: int | N
         )
 
 
+def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape that ``shapes`` broadcast to, or None when they do not broadcast together.
+
+    The rule of ``torch.broadcast_shapes`` in plain Python, without its exception (called on
+    every forward pass, where the torch function's overhead shows at small sizes).
+    """
+    n = max((len(s) for s in shapes), default=0)
+    out = []
+    for dims in zip(*((1,) * (n - len(s)) + tuple(s) for s in shapes), strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
 def require_broadcastable(name: str, shape: torch.Size, target: tuple[int, ...],
                           target_desc: str) -> None:
     """Raise `ValueError` unless ``shape`` broadcasts to ``target``."""
-    try:
-        out = torch.broadcast_shapes(shape, target)
-    except RuntimeError:
-        out = None
+    out = broadcast_shape(tuple(shape), tuple(target))
     if out is None or tuple(out) != tuple(target):
         raise ValueError(
             f"{name} of shape {shape_str(shape)} does not broadcast to {target_desc} = "

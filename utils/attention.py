@@ -16,6 +16,7 @@ from torch import nn
 
 from ._validation import (
     InputTypeError,
+    broadcast_shape,
     require_bool,
     require_bool_mask,
     require_broadcastable,
@@ -61,13 +62,13 @@ def _check_qkv_tensors(q: object, k: object, v: object, mask: object,
             f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
             f"(L_k={k.shape[-2]}), v is {shape_str(v)} (L_k={v.shape[-2]})"
         )
-    try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
+    batch = broadcast_shape(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if batch is None:
         raise ValueError(
             f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
             " do not broadcast together"
-        ) from None
+        )
+    batch = torch.Size(batch)
     if not (q.dtype == k.dtype == v.dtype):
         raise InputTypeError(
             f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"

@@ -26,6 +26,7 @@ import torch
 
 from ._validation import (
     InputTypeError,
+    broadcast_shape,
     require_bool,
     require_bool_mask,
     require_data,
@@ -356,10 +357,7 @@ def from_additive_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def _fits(shape: torch.Size, target: tuple[int, ...]) -> bool:
     """Whether ``shape`` broadcasts to exactly ``target``."""
-    try:
-        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
-    except RuntimeError:
-        return False
+    return broadcast_shape(tuple(shape), tuple(target)) == tuple(target)
 
 
 def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
