@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .core import (
     Case,
@@ -40,6 +39,7 @@ from .core import (
     _allclose,
     _exception_text,
     _resolve,
+    build_module,
     register_runner,
     run_in_process,
 )
@@ -74,15 +74,7 @@ def run_module(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
     experts (``spec.outputs`` ends with ``routing``) the call must return ``(output, aux_loss)``
     and leave the chosen experts in ``module.last_routing``; they come back as float32 indices.
     """
-    try:
-        module = obj(*spec.ctor_args, **spec.ctor_kwargs)
-    except CaseTimeout:
-        raise
-    except BaseException as exc:  # the student's mistake: report it
-        raise StudentError("build", _exception_text(exc)) from None
-    if not isinstance(module, nn.Module):
-        raise StudentError("build", f"building it returned {type(module).__name__}, not an "
-                                    "nn.Module")
+    module = build_module(obj, spec)
     names = _param_names(spec)
     for first in dict.fromkeys(n.split(".")[0] for n in names):
         held = getattr(module, first, None)

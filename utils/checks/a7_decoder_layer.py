@@ -28,14 +28,13 @@ from .a2_multi_head_attention import mha, mha_params
 from .a6_encoder_layer import _ACTS, exact_dropout, trace_recorder
 from .core import (
     Case,
-    CaseTimeout,
     Checker,
     CheckResult,
     Mistake,
     Spec,
     StudentError,
-    _exception_text,
     _load_params,
+    build_module,
     register_runner,
     run_in_process,
 )
@@ -161,15 +160,7 @@ def _run_causality(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any
 
     Returns both outputs; what they mean is decided on the trusted side.
     """
-    try:
-        module = obj(*spec.ctor_args, **spec.ctor_kwargs)
-    except CaseTimeout:
-        raise
-    except BaseException as exc:  # the student's mistake: report it
-        raise StudentError("build", _exception_text(exc)) from None
-    if not isinstance(module, torch.nn.Module):
-        raise StudentError("build", f"building it returned {type(module).__name__}, not an "
-                                    "nn.Module")
+    module = build_module(obj, spec)
     _load_params(module, spec.params)
     module.train(spec.train)
     mask = _mask_method(obj)(inputs["x"].shape[1])

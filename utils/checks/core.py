@@ -39,6 +39,7 @@ __all__ = [
     "Spec",
     "Checker",
     "Mistake",
+    "build_module",
     "exercise",
     "register_runner",
     "run_in_process",
@@ -240,6 +241,22 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().cpu()
 
 
+def build_module(obj: Any, spec: Spec) -> nn.Module:
+    """The student's module, ``obj(*spec.ctor_args, **spec.ctor_kwargs)``; any error in the
+    student's constructor, or something other than an ``nn.Module``, stops the case at the
+    stage "build" (a `StudentError`). For runners of other kinds of case too."""
+    try:
+        module = obj(*spec.ctor_args, **spec.ctor_kwargs)
+    except CaseTimeout:
+        raise
+    except BaseException as exc:  # the student's mistake: report it
+        raise StudentError("build", _exception_text(exc)) from None
+    if not isinstance(module, nn.Module):
+        raise StudentError("build", f"building it returned {type(module).__name__}, "
+                                    "not an nn.Module")
+    return module
+
+
 def exercise(obj: Any, spec: Spec) -> dict[str, Any]:
     """Run ``obj`` on one case; return raw tensors and notes, never raise for the student's code.
 
@@ -257,15 +274,7 @@ def exercise(obj: Any, spec: Spec) -> dict[str, Any]:
     try:
         loaded: dict[str, torch.Tensor] = {}
         if spec.kind == "module":
-            try:
-                module = obj(*spec.ctor_args, **spec.ctor_kwargs)
-            except CaseTimeout:
-                raise
-            except BaseException as exc:  # the student's mistake: report it
-                raise StudentError("build", _exception_text(exc)) from None
-            if not isinstance(module, nn.Module):
-                raise StudentError("build", f"building it returned {type(module).__name__}, "
-                                            "not an nn.Module")
+            module = build_module(obj, spec)
             loaded = _load_params(module, spec.params)
             module.train(spec.train)
             for name in spec.trace:
