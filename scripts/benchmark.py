@@ -263,7 +263,10 @@ def bench_mha(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_sdpa(sizes: dict, device: torch.device, repeats: int) -> tuple[list[dict], dict]:
+def bench_sdpa(sizes: dict, device: torch.device, repeats: int,
+               memory: bool = True) -> tuple[list[dict], dict | None]:
+    """Rows (b), and the memory goal (None without ``memory``: the peaks are then not measured,
+    which saves the fresh processes, as a notebook wants)."""
     s = sizes["sdpa"]
     length, heads, d_k, block = s["length"], s["heads"], s["d_k"], s["block"]
     q, k, v = _attention_inputs(length, heads, d_k, device)
@@ -273,7 +276,8 @@ def bench_sdpa(sizes: dict, device: torch.device, repeats: int) -> tuple[list[di
         fn, extra = _variant(name, length, 0, block, device)
         with torch.no_grad():
             times[name] = median_time(partial(fn, q, k, v, *extra), device, repeats)
-        mems[name] = measure_memory(name, length, heads, d_k, 0, block, device)["peak_bytes"]
+        mems[name] = (measure_memory(name, length, heads, d_k, 0, block, device)["peak_bytes"]
+                      if memory else None)
     case = f"L={length}, h={heads}, d_k={d_k}"
     elt = q.element_size()
     gflops = {n: flops / t / 1e9 for n, t in times.items()}
@@ -289,13 +293,17 @@ def bench_sdpa(sizes: dict, device: torch.device, repeats: int) -> tuple[list[di
              note=f"{gflops['memory_efficient']:.1f} vs {gflops['torch_sdpa']:.1f} GFLOP/s; "
                   f"largest intermediate h block^2 = {heads * block**2 * elt / MIB:.2f} MiB"),
     ]
+    if not memory:
+        return rows, None
     ratio = mems["memory_efficient"] / max(mems["utils_sdpa"], 1)
     goal = {"memory_efficient_over_plain": ratio, "goal": MEMORY_GOAL, "met": ratio <= MEMORY_GOAL,
             "length": length}
     return rows, goal
 
 
-def bench_local(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
+def bench_local(sizes: dict, device: torch.device, repeats: int,
+                memory: bool = True) -> list[dict]:
+    """Rows (c); ``memory=False`` leaves the peaks unmeasured."""
     s = sizes["local"]
     window, heads, d_k = s["window"], s["heads"], s["d_k"]
     rows = []
@@ -306,15 +314,15 @@ def bench_local(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
             fn, extra = _variant(name, length, window, 0, device)
             with torch.no_grad():
                 times[name] = median_time(partial(fn, q, k, v, *extra), device, repeats)
-            mems[name] = measure_memory(name, length, heads, d_k, window, 0,
-                                        device)["peak_bytes"]
+            mems[name] = (measure_memory(name, length, heads, d_k, window, 0,
+                                         device)["peak_bytes"] if memory else None)
         rows.append(_row(
             "(c) local", f"L={length}, window={window}, h={heads}, d_k={d_k}",
             "local_attention", "F.scaled_dot_product_attention(local_mask)",
             times["local"], times["torch_sdpa_banded"], mems["local"], mems["torch_sdpa_banded"],
             note="book's masked scaled_dot_product_attention: "
-                 f"{times['utils_sdpa_banded'] * 1e3:.1f} ms, "
-                 f"{mems['utils_sdpa_banded'] / MIB:.1f} MiB"))
+                 f"{times['utils_sdpa_banded'] * 1e3:.1f} ms"
+                 + (f", {mems['utils_sdpa_banded'] / MIB:.1f} MiB" if memory else "")))
     return rows
 
 
@@ -415,10 +423,17 @@ def render(meta: dict, rows: list[dict], goal: dict) -> str:
         "reference (above 1: ours is slower or uses more memory)",
         f"- peak memory: {meta['memory_method']}, one fresh process per variant",
         "",
-        "| group | case | ours | reference | ours ms | ref ms | time ratio | ours MiB | "
-        "ref MiB | memory ratio | notes |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        *table(rows),
     ]
+    lines += ["", "Goals:", "", *goals(rows, goal, meta["quick"]), ""]
+    return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The rows as the lines of a Markdown table, its header included."""
+    lines = ["| group | case | ours | reference | ours ms | ref ms | time ratio | ours MiB | "
+             "ref MiB | memory ratio | notes |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['group']} | skipped | {r['ours']} | {r['reference']} | - | - | "
@@ -429,8 +444,7 @@ def render(meta: dict, rows: list[dict], goal: dict) -> str:
             f"{_fmt(r['ours_ms'])} | {_fmt(r['ref_ms'])} | {_fmt(r['time_ratio'])} | "
             f"{_fmt(r['ours_mib'], 1)} | {_fmt(r['ref_mib'], 1)} | "
             f"{_fmt(r['memory_ratio'])} | {r['note']} |")
-    lines += ["", "Goals:", "", *goals(rows, goal, meta["quick"]), ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _memory_method(device: torch.device) -> str:
