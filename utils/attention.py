@@ -483,16 +483,12 @@ class MultiHeadAttention(nn.Module):
         _check_qkv(self, query, key, value)
         if cache is None:
             mask = _read_mask(mask, query, key, self.num_heads)
-            if query is key and key is value:  # self-attention: one matmul for q, k and v
-                q, k, v = self._project_qkv(query)
-            else:
-                q = self.split_heads(self.w_q(query))
-                k = self.split_heads(self.w_k(key))
-                v = self.split_heads(self.w_v(value))
+            k = self.split_heads(self.w_k(key))
+            v = self.split_heads(self.w_v(value))
         else:
             k, v = _cached_kv(self, key, value, self.num_heads, cache)
             mask = _read_cached_mask(mask, query, k.shape[2], self.num_heads)
-            q = self.split_heads(self.w_q(query))
+        q = self.split_heads(self.w_q(query))
         p = self.dropout if self.training else 0.0
         if self.keep_weights:
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
@@ -501,21 +497,6 @@ class MultiHeadAttention(nn.Module):
             out = fused_attention(q, k, v, mask, dropout_p=p)
             self.attn_weights = None
         return self.w_o(self.merge_heads(out))
-
-    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """W_Q, W_K and W_V applied to the same x in one matmul, each split into heads.
-
-        The same numbers as the three projections one by one (the weights stacked into one
-        (3 d_model, d_model) matrix), with one pass over x instead of three.
-        """
-        weight = torch.cat((self.w_q.weight, self.w_k.weight, self.w_v.weight))
-        bias = None
-        if self.w_q.bias is not None:
-            bias = torch.cat((self.w_q.bias, self.w_k.bias, self.w_v.bias))
-        b, length, _ = x.shape
-        qkv = F.linear(x, weight, bias).view(b, length, 3, self.num_heads, self.d_k)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, L, d_k)
-        return q, k, v
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
