@@ -825,3 +825,38 @@ def test_broadcast_shape_follows_torch():
             expected = None
         assert broadcast_shape(*shapes) == expected, shapes
     assert broadcast_shape() == ()
+
+
+def test_module_dtype_device_finds_the_first_parameter_of_parameters():
+    """The submodule walk of the checks finds the parameter ``module.parameters()`` yields first
+    among the floating-point ones, in nested, shared, integer-first and parameter-free modules."""
+    from utils._validation import module_dtype_device
+    from utils.models import DecoderOnlyLM
+
+    def expected(m):
+        first = next((p for p in m.parameters() if p.is_floating_point()), None)
+        return None if first is None else (first.dtype, first.device)
+
+    shared = nn.Linear(2, 2).double()
+    odd = nn.Module()
+    odd.counts = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+    odd.empty = None
+    odd.inner = nn.Sequential(nn.ReLU(), nn.Linear(2, 2).to(torch.float16))
+    modules = [nn.Linear(3, 3), nn.Sequential(nn.ReLU(), shared, shared, nn.Linear(2, 2)),
+               nn.ReLU(), nn.Sequential(), odd, DecoderOnlyLM(11, d_model=8, nhead=2,
+                                                             num_layers=1, max_len=8).double()]
+    for m in modules:
+        for sub in m.modules():
+            assert module_dtype_device(sub) == expected(sub), sub
+
+
+def test_dropout_is_skipped_only_in_evaluation_mode():
+    """`apply_dropout` returns its input itself in eval mode and drops in training mode."""
+    from utils._validation import apply_dropout
+
+    drop = nn.Dropout(0.5)
+    x = torch.ones(1000)
+    assert apply_dropout(drop.eval(), x) is x
+    torch.manual_seed(0)
+    y = apply_dropout(drop.train(), x)
+    assert set(y.unique().tolist()) == {0.0, 2.0}

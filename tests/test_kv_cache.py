@@ -238,3 +238,73 @@ def test_lm_with_grouped_query_attention_caches_fewer_heads(norm_first):
         model(torch.randint(0, V, (4, 9)), cache=cache)
     assert cache.self_attn[0].k.shape == (4, 2, 9, 4)  # 2 key/value heads of d_k = 32 / 8
     assert cache.nbytes == kv_cache_bytes(2, 4, 2, 9, 4)
+
+
+@pytest.mark.parametrize("reserve", [None, 3, 9, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reserved_cache_gives_what_concatenation_gives(reserve, dtype):
+    """A cache with reserved room writes in place and returns exactly what the concatenating
+    cache returns, step by step: within the room, past it (back to concatenation), for a first
+    chunk longer than the room, and with no reservation."""
+    g = torch.Generator().manual_seed(0)
+    plain, roomy = KVCache(max_len=20), KVCache(max_len=20)
+    if reserve is not None:
+        assert roomy.reserve(reserve) is roomy
+    for n in (4, 1, 1, 3, 1, 2, 1):
+        k = torch.randn(2, 3, n, 5, generator=g, dtype=dtype)
+        v = torch.randn(2, 3, n, 5, generator=g, dtype=dtype)
+        expected = plain.append(k, v)
+        got = roomy.append(k, v)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        assert roomy.length == plain.length
+        assert torch.equal(roomy.k, plain.k) and torch.equal(roomy.v, plain.v)
+    in_room = reserve is not None and reserve >= plain.length
+    assert roomy.nbytes == (2 * 2 * 3 * reserve * 5 * plain.k.element_size() if in_room
+                            else plain.nbytes)
+    if in_room:  # every step wrote into one allocation
+        assert roomy.k.data_ptr() == roomy._buffers[0].data_ptr()
+
+
+def test_reserved_cache_keeps_earlier_results_and_autograd():
+    """Writing in place never changes what an earlier append returned; with autograd the cache
+    concatenates, so the backward pass through earlier steps still works."""
+    cache = KVCache().reserve(10)
+    k1, v1 = torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2)
+    first_k, _ = cache.append(k1, v1)
+    snapshot = first_k.clone()
+    cache.append(torch.full((1, 1, 3, 2), 7.0), torch.full((1, 1, 3, 2), 7.0))
+    assert torch.equal(first_k, snapshot)
+    w = torch.ones(1, 1, 1, 2, requires_grad=True)
+    grad_cache = KVCache().reserve(10)
+    grad_cache.append(w * 2, w * 3)
+    k_all, v_all = grad_cache.append(w * 4, w * 5)
+    (k_all.sum() + v_all.sum()).backward()
+    assert w.grad.tolist() == [[[[14.0, 14.0]]]]
+
+
+def test_reserve_refuses_bad_lengths():
+    with pytest.raises(ValueError, match="max_len=5"):
+        KVCache(max_len=5).reserve(6)
+    with pytest.raises(ValueError):
+        KVCache().reserve(0)
+    assert DecoderCache.for_stack(2, max_len=8).reserve(8).self_attn[1]._room == 8
+
+
+def test_generate_reserves_exactly_the_positions_it_feeds():
+    """generate's cache holds prompt + max_new_tokens - 1 positions in one allocation each."""
+    model = _lm(0, max_len=12)
+    seen = []
+    make = model.new_cache
+
+    def spy():
+        cache = make()
+        seen.append(cache)
+        return cache
+
+    model.new_cache = spy
+    out = generate(model, [[BOS, 3, 4, 5]], max_new_tokens=9, eos=V + 5)
+    assert len(out[0]) == 9
+    (cache,) = seen
+    assert all(c._room == 4 + 9 - 1 and c.length == 12 for c in cache.self_attn)
+    assert cache.self_attn[0].k.data_ptr() == cache.self_attn[0]._buffers[0].data_ptr()

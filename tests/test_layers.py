@@ -25,10 +25,14 @@ def _randomize(module):
 
 # ----- LayerNorm -----------------------------------------------------------------------------
 
-def test_layernorm_matches_the_formula_and_torch():
+FUSED = pytest.mark.parametrize("fused", [True, False], ids=["fused", "from-scratch"])
+
+
+@FUSED
+def test_layernorm_matches_the_formula_and_torch(fused):
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8) * 3 + 1
-    ln = _randomize(LayerNorm(8))
+    ln = _randomize(LayerNorm(8, fused=fused))
     mean = x.mean(-1, keepdim=True)
     var = x.var(-1, unbiased=False, keepdim=True)
     expected = (x - mean) / torch.sqrt(var + 1e-5) * ln.weight + ln.bias
@@ -38,38 +42,46 @@ def test_layernorm_matches_the_formula_and_torch():
     )
 
 
-def test_layernorm_at_init_gives_zero_mean_unit_variance():
+@FUSED
+def test_layernorm_at_init_gives_zero_mean_unit_variance(fused):
     x = torch.randn(4, 16, dtype=torch.float64) * 5 + 2
-    y = LayerNorm(16, eps=0.0).double()(x)
+    y = LayerNorm(16, eps=0.0, fused=fused).double()(x)
     torch.testing.assert_close(y.mean(-1), torch.zeros(4, dtype=torch.float64))
     torch.testing.assert_close(y.var(-1, unbiased=False), torch.ones(4, dtype=torch.float64))
 
 
+@FUSED
 @pytest.mark.parametrize("eps", [1e-5, 1e-3])
-def test_layernorm_from_torch(eps):
+def test_layernorm_from_torch(eps, fused):
     torch.manual_seed(0)
     ref = _randomize(nn.LayerNorm(12, eps=eps))
     ours = LayerNorm.from_torch(ref)
-    assert ours.eps == eps
+    assert ours.eps == eps and ours.fused
+    ours.fused = fused
     x = torch.randn(3, 4, 12)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
 
 
-def test_layernorm_from_torch_float64_and_no_affine():
+@FUSED
+def test_layernorm_from_torch_float64_and_no_affine(fused):
     ref = nn.LayerNorm(6, elementwise_affine=False)
     x = torch.randn(2, 6)
-    torch.testing.assert_close(LayerNorm.from_torch(ref)(x), ref(x), atol=1e-5, rtol=0)
+    copy = LayerNorm.from_torch(ref)
+    copy.fused = fused
+    torch.testing.assert_close(copy(x), ref(x), atol=1e-5, rtol=0)
     ref64 = _randomize(nn.LayerNorm(6).double())
     ours = LayerNorm.from_torch(ref64)
+    ours.fused = fused
     assert ours.weight.dtype == torch.float64
     x64 = torch.randn(2, 6, dtype=torch.float64)
     torch.testing.assert_close(ours(x64), ref64(x64))
 
 
-def test_layernorm_gradcheck():
+@FUSED
+def test_layernorm_gradcheck(fused):
     """The module's own backward pass, with respect to the input, the gain and the bias."""
     torch.manual_seed(0)
-    ln = _randomize(LayerNorm(5)).double()
+    ln = _randomize(LayerNorm(5, fused=fused)).double()
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     w = ln.weight.detach().clone().requires_grad_(True)
     b = ln.bias.detach().clone().requires_grad_(True)
@@ -80,10 +92,56 @@ def test_layernorm_gradcheck():
     assert torch.autograd.gradcheck(run, (x, w, b))
 
 
-def test_layernorm_gradcheck_through_module():
-    ln = _randomize(LayerNorm(4)).double()
+@FUSED
+def test_layernorm_gradcheck_through_module(fused):
+    ln = _randomize(LayerNorm(4, fused=fused)).double()
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(ln, (x,))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_layernorm_fused_equals_from_scratch(seed):
+    """The default fused path and chapter 7's formula: same output and gradients (input, gain,
+    bias) over random shapes, widths, eps, dtypes and affine settings, including constant rows
+    (zeros there with eps > 0, NaN in both with eps = 0) and an empty batch."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = (torch.float32, torch.float64)[seed % 2]
+    d = int(torch.randint(1, 40, (1,), generator=g))
+    rank = int(torch.randint(0, 3, (1,), generator=g))
+    lead = tuple(int(n) for n in torch.randint(0, 5, (rank,), generator=g))
+    eps = (1e-5, 1e-3, 0.0)[seed % 3]
+    affine, bias = ((True, True), (True, False), (False, False))[seed // 3 % 3]
+    x = (torch.randn(*lead, d, generator=g, dtype=dtype) * 4 + 3)
+    if x.dim() > 1 and x.shape[0] > 0:
+        x[0] = 2.5  # a constant row
+    fused = LayerNorm(d, eps=eps, elementwise_affine=affine, bias=bias).to(dtype)
+    _randomize(fused)
+    scratch = LayerNorm(d, eps=eps, elementwise_affine=affine, bias=bias, fused=False).to(dtype)
+    scratch.load_state_dict(fused.state_dict())
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
+    upstream = torch.randn(x.shape, generator=g, dtype=dtype)
+    outs, grads = [], []
+    for m in (fused, scratch):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        outs.append(y)
+        (y.nan_to_num() * upstream).sum().backward()
+        grads.append([t.grad for t in (xi, *m.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], equal_nan=True, **tol)
+    assert torch.equal(outs[0].isnan(), outs[1].isnan())
+    if eps > 0 and x.numel():
+        assert not outs[0].isnan().any()
+    for a, b in zip(*grads, strict=True):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, equal_nan=True, **tol)
+
+
+def test_layernorm_fused_switch_and_repr():
+    ln = LayerNorm(4)
+    assert ln.fused and "fused" not in repr(ln)
+    assert "fused=False" in repr(LayerNorm(4, fused=False))
+    with pytest.raises(Exception, match="fused"):
+        LayerNorm(4, fused=1)
 
 
 def test_layernorm_bad_inputs():

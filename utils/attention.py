@@ -8,7 +8,7 @@ attend to this key", broadcastable to (..., L_q, L_k).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -214,8 +214,11 @@ def _check_qkv(module: nn.Module, query: object, key: object, value: object) -> 
             f"query and key must have the same batch size B: query {shape_str(query)}, "
             f"key {shape_str(key)}"
         )
+    checked: list[torch.Tensor] = []
     for name, t in (("query", query), ("key", key), ("value", value)):
-        require_like_module(name, t, module)
+        if not any(t is seen for seen in checked):  # self-attention passes one tensor thrice
+            require_like_module(name, t, module)
+            checked.append(t)
 
 
 def _read_mask(mask: object, query: torch.Tensor, key: torch.Tensor,
@@ -269,12 +272,20 @@ class KVCache:
             memory seen by cross-attention. The first call fills it, later calls reuse it.
 
     The tensors live where the first appended keys live (the inputs' device and dtype).
+
+    By default each `append` concatenates: it copies everything stored into a new tensor, a
+    copy that grows with the cache. A cache told its final length in advance (`reserve`)
+    allocates that room once and writes each new position in place; ``k`` and ``v`` are then
+    views of the filled part of that room.
     """
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     max_len: int | None = None
     static: bool = False
+    _room: int = field(default=0, init=False, repr=False, compare=False)
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False,
+                                                               repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -288,8 +299,55 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the keys and values: 2 * B * h_kv * L_past * d_k * bytes per number."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        """Bytes held by the keys and values: 2 * B * h_kv * L_past * d_k * bytes per number,
+        with L_past replaced by the reserved length once a `reserve`d room is allocated."""
+        held = self._buffers if self._in_room() else (self.k, self.v)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def reserve(self, length: int) -> KVCache:
+        """Allocate room for ``length`` positions at the next `append` to an empty cache.
+
+        Appends then write into that room instead of concatenating, which saves a copy of the
+        whole cache at every step. Only appends without autograd use the room (in-place writes
+        would break the backward pass of earlier steps); growing past it falls back to
+        concatenation. Returns the cache.
+
+        Raises:
+            InputTypeError, ValueError: for a ``length`` that is not a positive int.
+            ValueError: for a ``length`` above ``max_len``.
+        """
+        length = require_int("length", length)
+        if self.max_len is not None and length > self.max_len:
+            raise ValueError(f"cannot reserve {length} positions in a cache of "
+                             f"max_len={self.max_len}")
+        self._room = length
+        return self
+
+    def _in_room(self) -> bool:
+        """Whether ``k`` and ``v`` are still the filled part of the reserved buffers."""
+        if self._buffers is None or self.k is None:
+            return False
+        bk, bv = self._buffers
+        return (self.k.data_ptr() == bk.data_ptr() and self.v.data_ptr() == bv.data_ptr()
+                and self.k.shape[:2] == bk.shape[:2] and self.k.stride() == bk.stride())
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> bool:
+        """Write k, v at ``start`` in the reserved buffers, allocating them for an empty cache;
+        False (nothing written) when there is no room or autograd would need the old tensors."""
+        end = start + k.shape[2]
+        if end > self._room or k.requires_grad or v.requires_grad or (
+                start and (self.k.requires_grad or self.v.requires_grad)):
+            return False
+        if start == 0:
+            b, h, _, d = k.shape
+            self._buffers = (k.new_empty(b, h, self._room, d), v.new_empty(b, h, self._room, d))
+        elif not self._in_room():
+            return False
+        bk, bv = self._buffers
+        bk[:, :, start:end] = k
+        bv[:, :, start:end] = v
+        self.k, self.v = bk[:, :, :end], bv[:, :, :end]
+        return True
 
     def memory_bytes(self) -> int:
         """The same as `nbytes`."""
@@ -319,8 +377,9 @@ class KVCache:
             if self.max_len is not None and k.shape[2] > self.max_len:
                 raise ValueError(f"the cache holds at most max_len={self.max_len} positions, "
                                  f"got {k.shape[2]} at once")
-            self.k, self.v = k, v
-            return k, v
+            if not (self._room and not self.static and self._write(k, v, 0)):
+                self.k, self.v = k, v
+            return self.k, self.v
         if self.static:
             raise ValueError("this cache is static (cross-attention keys and values, computed "
                              "once); it cannot grow")
@@ -335,8 +394,10 @@ class KVCache:
         if self.max_len is not None and self.length + k.shape[2] > self.max_len:
             raise ValueError(f"the cache holds {self.length} positions; {k.shape[2]} more would "
                              f"exceed max_len={self.max_len}")
-        self.k = torch.cat([self.k, k], dim=2)
-        self.v = torch.cat([self.v, v], dim=2)
+        if not self._write(k, v, self.length):
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+            self._buffers = None
         return self.k, self.v
 
 

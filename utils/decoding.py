@@ -87,11 +87,16 @@ def kv_cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, length: 
     return 2 * num_layers * batch_size * num_kv_heads * length * d_k * size
 
 
-def _cache_for(model: nn.Module, use_cache: object) -> DecoderCache | None:
-    """A fresh cache when ``use_cache`` and the model offers one (``new_cache()``), else None."""
+def _cache_for(model: nn.Module, use_cache: object, length: int) -> DecoderCache | None:
+    """A fresh cache when ``use_cache`` and the model offers one (``new_cache()``), else None;
+    a library cache reserves room for the ``length`` positions decoding will feed it."""
     require_bool("use_cache", use_cache)
     make = getattr(model, "new_cache", None)
-    return make() if use_cache and callable(make) else None
+    cache = make() if use_cache and callable(make) else None
+    if isinstance(cache, DecoderCache) and all(c.max_len is None or c.max_len >= length
+                                               for c in cache.self_attn):
+        cache.reserve(length)  # a cache too short for it fails at its first step, clearly
+    return cache
 
 
 def _check_sampling(temperature: object, generator: object) -> float:
@@ -150,11 +155,12 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
     if logits.shape[1] == 0:
         raise ValueError(f"logits must score at least one token (V >= 1), got "
                          f"{shape_str(logits)}")
-    if torch.isnan(logits).any() or (logits == math.inf).any():
-        raise ValueError("logits must not contain NaN or +inf")
-    if not torch.isfinite(logits).any(dim=-1).all():
-        raise ValueError("every row of logits needs at least one finite score, got a row "
-                         "that is all -inf")
+    if not bool(torch.isfinite(logits).all()):  # the usual case passes with one reduction
+        if torch.isnan(logits).any() or (logits == math.inf).any():
+            raise ValueError("logits must not contain NaN or +inf")
+        if not torch.isfinite(logits).any(dim=-1).all():
+            raise ValueError("every row of logits needs at least one finite score, got a row "
+                             "that is all -inf")
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.double() / temperature, dim=-1)
@@ -199,9 +205,9 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
     bos = require_int("bos", bos, minimum=0)
     eos = require_int("eos", eos, minimum=0)
     _check_room(model, max_len, f"max_len={max_len}")
-    cache = _cache_for(model, use_cache)
+    cache = _cache_for(model, use_cache, max_len)
     b = src.shape[0]
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.inference_mode():
         memory = model.encode(src, src_mask)
         tgt = torch.full((b, 1), bos, dtype=torch.long, device=src.device)
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
@@ -293,7 +299,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     if batch is None:
         return []
     tokens, real = batch
-    _check_room(model, tokens.shape[1] + max_new_tokens - 1,
+    needed = tokens.shape[1] + max_new_tokens - 1  # positions fed (the last token never is)
+    _check_room(model, needed,
                 f"a prompt of {tokens.shape[1]} tokens and max_new_tokens={max_new_tokens}")
     # The batch is built where the model lives (the CPU for a model without parameters).
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
@@ -302,10 +309,11 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     b = tokens.shape[0]
     tokens = torch.cat([tokens, torch.full((b, max_new_tokens), PAD, dtype=torch.long,
                                            device=device)], dim=1)
-    rows = torch.arange(b, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    cache = _cache_for(model, use_cache)
-    with eval_mode(model), torch.no_grad():
+    ragged = not bool(real.all())
+    finished = 0  # rows done, a Python int: read once per step
+    cache = _cache_for(model, use_cache, needed)
+    with eval_mode(model), torch.inference_mode():
         for step in range(max_new_tokens):
             if cache is None:
                 width = int(lengths.max())
@@ -320,15 +328,17 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                 pos = (lengths - 1)[:, None]  # (B, 1)
                 keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden
                 # an all-True mask changes nothing: leave it out (less work per step)
-                mask = None if bool(keys.all()) else keys
+                mask = keys if ragged or finished else None
                 logits = _last_logits(model(tokens.gather(1, pos), mask, cache=cache,
                                             positions=pos), b, 0)
             tok = next_token(logits, temperature, generator)
-            live = ~done
-            tokens[rows[live], lengths[live]] = tok[live]
-            lengths = lengths + live.long()
+            # Each live row's token goes to its own next slot; a finished row's next slot stays
+            # padding (it is past the row's end, and never read).
+            tokens.scatter_(1, lengths[:, None], torch.where(done, PAD, tok)[:, None])
+            lengths = lengths + ~done
             done |= tok == eos
-            if done.all():
+            finished = int(done.sum())
+            if finished == b:
                 break
     start = real.sum(dim=1)
     return [_cut(tokens[i, start[i]: lengths[i]].tolist(), eos) for i in range(b)]

@@ -17,6 +17,7 @@ from torch import nn
 
 from ._validation import (
     InputTypeError,
+    apply_dropout,
     require_bool,
     require_choice,
     require_int,
@@ -89,6 +90,11 @@ class LayerNorm(nn.Module):
             eps gives zeros there (then the bias).
         elementwise_affine: whether there is a learned gain (and bias), as in `torch.nn.LayerNorm`.
         bias: whether there is a learned bias (only with ``elementwise_affine``).
+        fused: compute the same function with PyTorch's fused kernel ``F.layer_norm`` (the
+            default: one call instead of nine small operations, which shows where a model runs
+            one token at a time); False runs the formula above step by step, as chapter 7
+            derives it. The two agree to rounding (``tests/test_layers.py``). An attribute too:
+            set ``module.fused = False`` on a built module.
 
     Attributes:
         weight: the gain, shape (d_model,), initialised to ones; None without
@@ -101,20 +107,23 @@ class LayerNorm(nn.Module):
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True):
+                 bias: bool = True, fused: bool = True):
         super().__init__()
         self.d_model = require_int("d_model", d_model)
         self.eps = require_real("eps", eps, low=0.0)
         affine = require_bool("elementwise_affine", elementwise_affine)
         with_bias = require_bool("bias", bias) and affine
+        self.fused = require_bool("fused", fused)
         self.weight = nn.Parameter(torch.ones(self.d_model)) if affine else None
         self.bias = nn.Parameter(torch.zeros(self.d_model)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _require_last_dim("x", x, self)
-        mean = x.mean(dim=-1, keepdim=True)
-        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
-        y = (x - mean) / torch.sqrt(var + self.eps)
+        if self.fused:
+            return F.layer_norm(x, (self.d_model,), self.weight, self.bias, self.eps)
+        centred = x - x.mean(dim=-1, keepdim=True)
+        var = (centred ** 2).mean(dim=-1, keepdim=True)
+        y = centred / torch.sqrt(var + self.eps)
         if self.weight is not None:
             y = y * self.weight
         if self.bias is not None:
@@ -123,7 +132,7 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.d_model}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}" + ("" if self.fused else ", fused=False"))
 
     @classmethod
     def from_torch(cls, module: nn.LayerNorm) -> LayerNorm:
@@ -272,7 +281,7 @@ class PositionwiseFeedForward(nn.Module):
         return ACTIVATIONS[self.activation](self.linear1(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.dropout(self.hidden(x)))
+        return self.linear2(apply_dropout(self.dropout, self.hidden(x)))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

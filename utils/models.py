@@ -27,6 +27,7 @@ from torch import nn
 
 from ._validation import (
     InputTypeError,
+    apply_dropout,
     require_bool,
     require_bool_mask,
     require_int,
@@ -35,6 +36,7 @@ from ._validation import (
     require_same_device,
     require_tensor,
     shape_str,
+    value_range,
 )
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
 from .transformer import DecoderCache, Encoder, Transformer, _check_input, _check_same_batch
@@ -56,9 +58,10 @@ def _check_tokens(name: str, tokens: object, embed: InputEmbedding) -> torch.Ten
                              f"them to one device ({name}.to('{device}'))")
     if tokens.shape[1] > embed.max_len:
         raise ValueError(f"{name} {shape_str(tokens)} is longer than max_len={embed.max_len}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= embed.vocab_size):
+    low, high = value_range(tokens) if tokens.numel() else (0, 0)
+    if low < 0 or high >= embed.vocab_size:
         raise ValueError(f"{name} ids must lie in [0, {embed.vocab_size}), got ids from "
-                         f"{int(tokens.min())} to {int(tokens.max())}")
+                         f"{low} to {high}")
     return tokens
 
 
@@ -118,9 +121,10 @@ def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> t
         raise ValueError(f"positions must have shape (L,) = ({length},) or (B, L) = "
                          f"{shape_str(tokens)}, got {shape_str(positions)}")
     require_same_device(tokens=tokens, positions=positions)
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_len):
+    low, high = value_range(positions) if positions.numel() else (0, 0)
+    if low < 0 or high >= max_len:
         raise ValueError(f"positions must lie in [0, max_len={max_len}), got positions from "
-                         f"{int(positions.min())} to {int(positions.max())}")
+                         f"{low} to {high}")
     return positions
 
 
@@ -177,7 +181,7 @@ class InputEmbedding(nn.Module):
         if positions is None:
             return self.positions(x)
         positions = _check_positions(positions, tokens, self.max_len)
-        return self.positions.dropout(x + self.positions.pe[positions].to(x.dtype))
+        return apply_dropout(self.positions.dropout, x + self.positions.pe[positions].to(x.dtype))
 
 
 class _OutputHead(nn.Module):

@@ -28,6 +28,7 @@ from torch import nn
 
 from ._validation import (
     InputTypeError,
+    apply_dropout,
     require_bool,
     require_choice,
     require_floating,
@@ -187,7 +188,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         _require_sequence("x", x, self.d_model, self.max_len,
                           "the encoding was built for max_len={max_len}")
         require_module_device("x", x, self)
-        return self.dropout(x + self.pe[: x.shape[1]].to(x.dtype))
+        return apply_dropout(self.dropout, x + self.pe[: x.shape[1]].to(x.dtype))
 
 
 class LearnedPositionalEmbedding(nn.Module):

@@ -57,6 +57,7 @@ from torch import nn
 
 from ._validation import (
     InputTypeError,
+    apply_dropout,
     require_bool,
     require_bool_mask,
     require_choice,
@@ -399,10 +400,10 @@ class EncoderLayer(_Layer):
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None = None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask, cache=cache))
+        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout2(self.ff(x))
+        return apply_dropout(self.dropout2, self.ff(x))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -479,14 +480,14 @@ class DecoderLayer(_Layer):
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None = None) -> torch.Tensor:
-        return self.dropout1(self.self_attn(x, x, x, mask, cache=cache))
+        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache))
 
     def _ca_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None = None) -> torch.Tensor:
-        return self.dropout2(self.cross_attn(x, memory, memory, mask, cache=cache))
+        return apply_dropout(self.dropout2, self.cross_attn(x, memory, memory, mask, cache=cache))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout3(self.ff(x))
+        return apply_dropout(self.dropout3, self.ff(x))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -601,6 +602,14 @@ class DecoderCache:
     def memory_bytes(self) -> int:
         """The same as `nbytes`."""
         return self.nbytes
+
+    def reserve(self, length: int) -> DecoderCache:
+        """Reserve room for ``length`` positions in every self-attention cache (see
+        `utils.attention.KVCache.reserve`): later steps write in place instead of copying the
+        cache. Returns the cache."""
+        for c in self.self_attn:
+            c.reserve(length)
+        return self
 
     def check(self, num_layers: int, cross_attention: bool, batch: int) -> None:
         """Raise a `ValueError` unless the cache fits a stack of ``num_layers`` layers (with
