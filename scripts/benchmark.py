@@ -7,7 +7,8 @@
 
 Every row times one of the book's functions and its PyTorch counterpart in the same run, on the
 same inputs, device and number of threads: the median of ``--repeats`` runs after one warm-up
-run that is not counted. The ratio ``ours / PyTorch`` (above 1: ours is slower or bigger) is
+run that is not counted, ours and the reference taking turns in rows (a) and (d), so that a
+machine whose speed drifts during the run slows both alike. The ratio ``ours / PyTorch`` (above 1: ours is slower or bigger) is
 what to read; absolute times depend on the machine and on what else runs on it. Rows:
 
 (a) `utils.attention.MultiHeadAttention` against ``nn.MultiheadAttention(need_weights=False)``
@@ -106,20 +107,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_times(fns: list[Callable[[], object]], device: torch.device, repeats: int,
+                 warmup: int = 1) -> list[float]:
+    """Median wall time of each ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs
+    of each. The functions take turns (a, b, a, b, ...), so that a machine that slows down or
+    speeds up during the measurement affects ours and the reference alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, seen in zip(fns, times, strict=True):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            seen.append(time.perf_counter() - start)
+    return [statistics.median(seen) for seen in times]
+
+
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int,
                 warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_times([fn], device, repeats, warmup)[0]
 
 
 # --- the attention variants whose memory is measured, one per process -------------------------
@@ -249,16 +260,18 @@ def bench_mha(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
         ref.eval()
         ours.eval()
         with torch.no_grad():
-            t_ours = median_time(partial(ours, x, x, x), device, repeats)
-            t_ref = median_time(partial(ref, x, x, x, need_weights=False), device, repeats)
+            t_ours, t_ref = median_times([partial(ours, x, x, x),
+                                          partial(ref, x, x, x, need_weights=False)],
+                                         device, repeats)
         rows.append(_row("(a) forward", case, *names, t_ours, t_ref,
                          note="eval mode, torch.no_grad()"))
 
         ref.train()
         ours.train()
 
-        t_ours = median_time(partial(_train_step, ours, x), device, repeats)
-        t_ref = median_time(partial(_train_step, ref, x, need_weights=False), device, repeats)
+        t_ours, t_ref = median_times([partial(_train_step, ours, x),
+                                      partial(_train_step, ref, x, need_weights=False)],
+                                     device, repeats)
         rows.append(_row("(a) forward+backward", case, *names, t_ours, t_ref))
     return rows
 
@@ -339,7 +352,6 @@ def bench_generate(sizes: dict, device: torch.device, repeats: int) -> list[dict
     vocab = 50
     model = DecoderOnlyLM(vocab, d_model=s["d_model"], nhead=4, num_layers=s["layers"],
                           max_len=s["prompt"] + s["new_tokens"]).to(device).eval()
-    repeats = min(repeats, 3)  # the slowest rows: at most 3 timed runs, to keep `make bench` short
     rows = []
     for batch in s["batches"]:
         g = torch.Generator().manual_seed(0)
@@ -352,8 +364,8 @@ def bench_generate(sizes: dict, device: torch.device, repeats: int) -> list[dict
                                                   use_cache=use_cache)
 
         with torch.no_grad():
-            t_ours = median_time(partial(run, True), device, repeats)
-            t_ref = median_time(partial(run, False), device, repeats)
+            t_ours, t_ref = median_times([partial(run, True), partial(run, False)], device,
+                                         repeats)
         same = tokens[True] == tokens[False]
         made = sum(len(t) for t in tokens[True])
         case = (f"B={batch}, prompt {s['prompt']}, up to {s['new_tokens']} new tokens, "
@@ -419,7 +431,8 @@ def render(meta: dict, rows: list[dict], goal: dict) -> str:
         f"- device: {meta['device']}",
         f"- torch threads: {meta['threads']} (torch.get_num_threads()); torch {meta['torch']}",
         f"- load average at start: {meta['load']}",
-        f"- timing: median of {meta['repeats']} runs after 1 warm-up run; ratio = ours / "
+        f"- timing: median of {meta['repeats']} runs after 1 warm-up run (in (a) and (d) ours "
+        "and the reference take turns); ratio = ours / "
         "reference (above 1: ours is slower or uses more memory)",
         f"- peak memory: {meta['memory_method']}, one fresh process per variant",
         "",
