@@ -8,8 +8,9 @@
 Every row times one of the book's functions and its PyTorch counterpart in the same run, on the
 same inputs, device and number of threads: the median of ``--repeats`` runs after one warm-up
 run that is not counted, ours and the reference taking turns in rows (a) and (d), so that a
-machine whose speed drifts during the run slows both alike. The ratio ``ours / PyTorch`` (above 1: ours is slower or bigger) is
-what to read; absolute times depend on the machine and on what else runs on it. Rows:
+machine whose speed drifts during the run slows both alike. The ratio ``ours / PyTorch``
+(above 1: ours is slower or bigger) is what to read; absolute times depend on the machine and on
+what else runs on it. Rows:
 
 (a) `utils.attention.MultiHeadAttention` against ``nn.MultiheadAttention(need_weights=False)``
     holding the same weights (``from_torch``), forward (``torch.no_grad()``, eval mode) and
