@@ -308,3 +308,23 @@ def test_generate_reserves_exactly_the_positions_it_feeds():
     (cache,) = seen
     assert all(c._room == 4 + 9 - 1 and c.length == 12 for c in cache.self_attn)
     assert cache.self_attn[0].k.data_ptr() == cache.self_attn[0]._buffers[0].data_ptr()
+
+
+def test_training_after_generating_works():
+    """Decoding runs under torch.inference_mode; nothing it leaves behind (the model's weights,
+    kept attention weights) may break a training step that follows."""
+    from utils.attention import keep_attention_weights
+    from utils.train import token_cross_entropy
+
+    model = keep_attention_weights(_lm(0).train())
+    generate(model, [[BOS, 3, 4]], max_new_tokens=5)
+    s2s = _s2s(0).train()
+    src = torch.tensor([[BOS, 3, 4, EOS]])
+    greedy_decode(s2s, src, src != PAD, max_len=4)
+    assert model.training and s2s.training
+    tokens = torch.tensor([[BOS, 3, 4, 5, 6]])
+    loss = token_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    out = s2s(src, src[:, :-1], src != PAD, src[:, :-1] != PAD)
+    token_cross_entropy(out, src[:, 1:]).backward()
