@@ -17,7 +17,9 @@ Two ways to run the model, chosen by ``use_cache``, give the same tokens:
   for every layer, the keys and values of the positions already processed; each step feeds only
   the new token, at its own absolute position, and its queries attend to the cached keys. An
   encoder-decoder's cross-attention projects the memory once. The logits agree with the
-  recomputing path to rounding (about 1e-6 in float32), and the tokens are the same.
+  recomputing path to rounding (about 1e-6 in float32), and the tokens are the same. The cache
+  reserves room for every position the decoding will feed (`DecoderCache.reserve`), so that
+  each step writes its keys and values in place instead of copying the whole cache.
   A model without ``new_cache()`` (a model not from `utils.models`) is run the recomputing way.
 
 Models are used through these calls:
@@ -33,8 +35,9 @@ positions than that: a request that would outgrow it raises before the first ste
 
 Every function checks its arguments before any work and raises `ValueError`, or
 `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. The model
-is run in evaluation mode without autograd; the train/eval mode of each of its submodules and
-the grad mode are restored on every exit, an exception included.
+is run in evaluation mode under ``torch.inference_mode()`` (no autograd, less bookkeeping per
+operation; no tensor made inside is returned); the train/eval mode of each of its submodules
+and the grad mode are restored on every exit, an exception included.
 """
 
 from __future__ import annotations
