@@ -36,8 +36,9 @@ positions than that: a request that would outgrow it raises before the first ste
 Every function checks its arguments before any work and raises `ValueError`, or
 `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. The model
 is run in evaluation mode under ``torch.inference_mode()`` (no autograd, less bookkeeping per
-operation; no tensor made inside is returned); the train/eval mode of each of its submodules
-and the grad mode are restored on every exit, an exception included.
+operation: no tensor made inside is returned, and attention weights a module keeps for a plot
+are for reading, not for autograd); the train/eval mode of each of its submodules and the grad
+mode are restored on every exit, an exception included.
 """
 
 from __future__ import annotations
