@@ -46,6 +46,52 @@ def exact_dropout(p_drop: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return dropped
 
 
+def feed_forward(p: dict[str, torch.Tensor], y: torch.Tensor,
+                 activation_fn: Callable[[torch.Tensor], torch.Tensor],
+                 dropped: Callable[[torch.Tensor], torch.Tensor],
+                 record: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+                 drop: str = "ok", act_out: bool = False) -> torch.Tensor:
+    """The feed-forward sublayer of an encoder or decoder layer, dropout included:
+    dropped(linear2(dropped(act(linear1(y))))), with the dropout mistakes ``drop`` = "no_ff"
+    (none on the output) and "no_ff_at_all" (none anywhere), and ``act_out`` (an activation
+    after linear2). Shared by assignments 6 and 7."""
+    h = record("linear1", y, F.linear(y, p["linear1.weight"], p["linear1.bias"]))
+    h = activation_fn(h)
+    if drop != "no_ff_at_all":
+        h = dropped(h)
+    out = record("linear2", h, F.linear(h, p["linear2.weight"], p["linear2.bias"]))
+    if act_out:
+        out = activation_fn(out)
+    return out if drop in ("no_ff", "no_ff_at_all") else dropped(out)
+
+
+def ff_and_norm_params(gen: torch.Generator, d: int, d_ff: int,
+                       norms: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Random ``linear1``, ``linear2`` and LayerNorm parameters (gains near 1) for a layer."""
+    params = {
+        "linear1.weight": torch.randn(d_ff, d, generator=gen) / d**0.5,
+        "linear1.bias": 0.1 * torch.randn(d_ff, generator=gen),
+        "linear2.weight": torch.randn(d, d_ff, generator=gen) / d_ff**0.5,
+        "linear2.bias": 0.1 * torch.randn(d, generator=gen),
+    }
+    for n in norms:
+        params[f"{n}.weight"] = 1 + 0.3 * torch.randn(d, generator=gen)
+        params[f"{n}.bias"] = 0.3 * torch.randn(d, generator=gen)
+    return params
+
+
+# The dropout mistakes that assignments 6 and 7 share, in the order their checkers list them.
+SHARED_DROPOUT_MISTAKES = (
+    Mistake("no dropout in the feed-forward block at all: apply it after the activation and "
+            "on the block's output", {"drop": "no_ff_at_all"}, combine=False),
+    Mistake("dropout applied to the residual sum: apply it to each sublayer's output, "
+            "before the sum", {"drop": "sum"}, combine=False),
+    Mistake("dropout is active in eval mode: use nn.Dropout modules (or pass "
+            "training=self.training to F.dropout), which module.eval() switches off",
+            {"drop_in_eval": True}, combine=False),
+)
+
+
 def encoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None, *,
                   nhead: int, norm_first: bool, activation: str, dropout: float = 0.0,
                   train: bool = False, flip_norm_first: bool = False, residual: str = "both",
@@ -81,14 +127,7 @@ def encoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tenso
         return out if drop == "no_sa" else dropped(out)
 
     def ff(y: torch.Tensor) -> torch.Tensor:
-        h = record("linear1", y, F.linear(y, p["linear1.weight"], p["linear1.bias"]))
-        h = activation_fn(h)
-        if drop != "no_ff_at_all":
-            h = dropped(h)
-        out = record("linear2", h, F.linear(h, p["linear2.weight"], p["linear2.bias"]))
-        if act_out:
-            out = activation_fn(out)
-        return out if drop in ("no_ff", "no_ff_at_all") else dropped(out)
+        return feed_forward(p, y, activation_fn, dropped, record, drop, act_out)
 
     def add(y: torch.Tensor, f_y: torch.Tensor, which: str) -> torch.Tensor:
         if residual == "none" or residual == which:
@@ -149,13 +188,7 @@ class EncoderChecker(Checker):
                 "before the residual sum", {"drop": "no_sa"}, combine=False),
         Mistake("no dropout on the feed-forward output: apply it to the sublayer's output "
                 "before the residual sum", {"drop": "no_ff"}, combine=False),
-        Mistake("no dropout in the feed-forward block at all: apply it after the activation and "
-                "on the block's output", {"drop": "no_ff_at_all"}, combine=False),
-        Mistake("dropout applied to the residual sum: apply it to each sublayer's output, "
-                "before the sum", {"drop": "sum"}, combine=False),
-        Mistake("dropout is active in eval mode: use nn.Dropout modules (or pass "
-                "training=self.training to F.dropout), which module.eval() switches off",
-                {"drop_in_eval": True}, combine=False),
+        *SHARED_DROPOUT_MISTAKES,
     )
 
     def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
@@ -179,15 +212,7 @@ def _case(b: int, length: int, d: int, nhead: int, d_ff: int, norm_first: bool, 
           mask: str | None = None, dropout: float = 0.0, train: bool = False) -> Any:
     def make(gen: torch.Generator) -> Spec:
         params = mha_params(gen, d, "self_attn.")
-        params.update({
-            "linear1.weight": torch.randn(d_ff, d, generator=gen) / d**0.5,
-            "linear1.bias": 0.1 * torch.randn(d_ff, generator=gen),
-            "linear2.weight": torch.randn(d, d_ff, generator=gen) / d_ff**0.5,
-            "linear2.bias": 0.1 * torch.randn(d, generator=gen),
-        })
-        for n in ("norm1", "norm2"):
-            params[f"{n}.weight"] = 1 + 0.3 * torch.randn(d, generator=gen)
-            params[f"{n}.bias"] = 0.3 * torch.randn(d, generator=gen)
+        params.update(ff_and_norm_params(gen, d, d_ff, ("norm1", "norm2")))
         tensors = {"x": torch.randn(b, length, d, generator=gen)}
         kwargs = {}
         if mask == "padding":

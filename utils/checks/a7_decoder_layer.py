@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from .a2_multi_head_attention import mha, mha_params
-from .a6_encoder_layer import _ACTS, exact_dropout, trace_recorder
+from .a6_encoder_layer import (
+    _ACTS,
+    SHARED_DROPOUT_MISTAKES,
+    exact_dropout,
+    feed_forward,
+    ff_and_norm_params,
+    trace_recorder,
+)
 from .core import (
     Case,
     Checker,
@@ -114,12 +121,7 @@ def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Ten
         return out if drop == "no_ca" else dropped(out)
 
     def ff(y: torch.Tensor) -> torch.Tensor:
-        h = record("linear1", y, F.linear(y, p["linear1.weight"], p["linear1.bias"]))
-        h = activation_fn(h)
-        if drop != "no_ff_at_all":
-            h = dropped(h)
-        out = record("linear2", h, F.linear(h, p["linear2.weight"], p["linear2.bias"]))
-        return out if drop in ("no_ff", "no_ff_at_all") else dropped(out)
+        return feed_forward(p, y, activation_fn, dropped, record, drop)
 
     def add(y: torch.Tensor, f_y: torch.Tensor, which: str) -> torch.Tensor:
         out = f_y if residual in ("none", which) else y + f_y
@@ -258,13 +260,7 @@ class DecoderChecker(Checker):
                 "before the residual sum", {"drop": "no_sa"}, combine=False),
         Mistake("no dropout on the feed-forward output: apply it to each sublayer's output "
                 "before the residual sum", {"drop": "no_ff"}, combine=False),
-        Mistake("no dropout in the feed-forward block at all: apply it after the activation and "
-                "on the block's output", {"drop": "no_ff_at_all"}, combine=False),
-        Mistake("dropout applied to the residual sum: apply it to each sublayer's output, "
-                "before the sum", {"drop": "sum"}, combine=False),
-        Mistake("dropout is active in eval mode: use nn.Dropout modules (or pass "
-                "training=self.training to F.dropout), which module.eval() switches off",
-                {"drop_in_eval": True}, combine=False),
+        *SHARED_DROPOUT_MISTAKES,
     )
 
     def all_mistakes(self) -> list[Mistake]:
@@ -366,15 +362,7 @@ class DecoderChecker(Checker):
 def _params(gen: torch.Generator, d: int, d_ff: int) -> dict[str, torch.Tensor]:
     params = mha_params(gen, d, "self_attn.")
     params.update(mha_params(gen, d, "multihead_attn."))
-    params.update({
-        "linear1.weight": torch.randn(d_ff, d, generator=gen) / d**0.5,
-        "linear1.bias": 0.1 * torch.randn(d_ff, generator=gen),
-        "linear2.weight": torch.randn(d, d_ff, generator=gen) / d_ff**0.5,
-        "linear2.bias": 0.1 * torch.randn(d, generator=gen),
-    })
-    for n in ("norm1", "norm2", "norm3"):
-        params[f"{n}.weight"] = 1 + 0.3 * torch.randn(d, generator=gen)
-        params[f"{n}.bias"] = 0.3 * torch.randn(d, generator=gen)
+    params.update(ff_and_norm_params(gen, d, d_ff, ("norm1", "norm2", "norm3")))
     return params
 
 
