@@ -9,7 +9,9 @@ replaced by a stub that raises ``NotImplementedError``, indented like the marker
 cell it becomes "YOUR ANSWER HERE". In a markdown cell the markers may be HTML comments
 (``<!-- ### BEGIN SOLUTION -->``), so that the book's page shows the model answer without them;
 nbgrader finds them there too. Outputs and execution counts are cleared. The script then checks
-that no line of any solution is left and that every code cell still parses.
+that no line of any solution is left and that every code cell still parses. Each student version
+carries ``metadata.tested_transformer.assignment`` (its notebook's name), so that the grader knows
+which assignment a handed-in notebook is whatever the student named the file.
 
 ``--course-book`` builds the book as a course would hand it out: the exercises' solutions hidden
 (sphinx-exercise's ``hide_solutions: true``) and the assignments in their student versions. It
@@ -120,6 +122,7 @@ def write_student_versions(sources: list[Path], out: Path) -> list[Path]:
                 except SyntaxError as exc:
                     raise SolutionMarkerError(
                         f"{src}: code cell {i} no longer parses: {exc}") from None
+        student.metadata["tested_transformer"] = {"assignment": src.stem}  # the grader reads it
         nbformat.validate(student)
         dest = out / src.name
         nbformat.write(student, dest)

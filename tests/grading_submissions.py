@@ -176,7 +176,11 @@ CLEAN = (os.getsid(0) == os.getpid()
 A1_OTHERS_PIPES = '''
 import os
 opened = 0
-for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+try:
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+except OSError:  # the kernel's confinement: even the list of processes is out of reach
+    pids = []
+for pid in pids:
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -189,13 +193,13 @@ for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpi
             pass
 ''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if opened == 0 else 1")
 
-# A process, a thread, a socket: right code when all three are refused.
+# A process, a program, a socket: right code when all three are refused.
 A1_ESCAPES = '''
+import os
 import socket
 import subprocess
-import threading
 escaped = 0
-for attempt in (lambda: subprocess.run(["true"]), lambda: threading.Thread(target=len).start(),
+for attempt in (lambda: subprocess.run(["true"]), lambda: os.fork() or os._exit(0),
                 lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)):
     try:
         attempt()
@@ -204,8 +208,8 @@ for attempt in (lambda: subprocess.run(["true"]), lambda: threading.Thread(targe
         pass
 ''' + A1_RIGHT.replace("    d_k = q.shape[-1]", "    d_k = q.shape[-1] if escaped == 0 else 1")
 
-# A thread started with the start function of a fresh copy of the module: caught as tampering,
-# since such a thread would call the reference unseen by the grader.
+# A thread started with the start function of a fresh copy of the module: threads are allowed
+# (forbidden code fails in every thread alike), and the grader kills it with its process.
 A1_THREAD_RESTORED = A1_RIGHT + '''
 import _imp
 import importlib.machinery
@@ -432,8 +436,7 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_probes_its_process": ("a1_attention", {3: A1_PROBE}, "full"),
     "evil_a1_others_pipes": ("a1_attention", {3: A1_OTHERS_PIPES}, "full"),
     "evil_a1_escapes": ("a1_attention", {3: A1_ESCAPES}, "full"),
-    "evil_a1_thread_restored": ("a1_attention", {3: A1_THREAD_RESTORED},
-                                "running a thread of its own"),
+    "evil_a1_thread_restored": ("a1_attention", {3: A1_THREAD_RESTORED}, "full"),
     "evil_a2_endless_init": ("a2_multi_head_attention", {3: MHA_HANG}, "did not finish within"),
     "evil_a4_torch_layer_norm": ("a4_positional_encoding_layer_norm", {6: LN_TORCH},
                                  "nn.LayerNorm"),

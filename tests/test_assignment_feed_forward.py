@@ -519,8 +519,9 @@ SUBMISSIONS = {
     "ok_a5_book": ({}, "full"),
     "bad_a5_overwrite": ({7: MOE_OVERWRITE_CELL}, "overwrite each other"),
     "evil_a5_utils_layers": ({3: FFN_FROM_BOOK_CELL}, "imports utils.layers"),
+    # The checkers' files are out of the sandbox's reach: reading one is flagged.
     "evil_a5_checker_reference": ({3: FFN_CHECKER_REFERENCE_CELL},
-                                  "uses the checker's own reference SwiGLU network"),
+                                  "tried to read the book's sources or reference code"),
 }
 
 

@@ -309,8 +309,9 @@ def test_every_case_mixes_right_and_wrong_in_random_order():
     for checker in (a3.CAUSAL_TEST, a3.BATCH_TEST):
         for seed in (1, 2, 3):
             for case, spec in zip(checker.cases, checker.specs(seed), strict=True):
-                family, codes = spec.literals
-                assert codes.count(0) >= 2
+                family, n = spec.literals
+                codes = spec.config["codes"]  # the trusted side's: never sent to the child
+                assert n == len(codes) and codes.count(0) >= 2
                 if case.id != "accepts_right":
                     assert len(set(codes)) == 2 and codes.count(0) == 2
                 orders.add(codes.index(0))
@@ -319,7 +320,7 @@ def test_every_case_mixes_right_and_wrong_in_random_order():
 
 def test_the_judge_survives_a_forged_result():
     checker, spec = a3.CAUSAL_TEST, a3.CAUSAL_TEST.specs()[0]
-    n = len(spec.literals[1])
+    n = spec.literals[1]
     forged = [{"outcomes": torch.zeros(n + 1, dtype=torch.int64)},
               {"outcomes": torch.full((n,), 7, dtype=torch.int64)},
               {"outcomes": torch.zeros(n)},

@@ -136,7 +136,7 @@ def test_the_solution_passes_the_quick_cases():
 
 
 def test_every_mistake_is_tested():
-    assert {key for *_, key in MISTAKES.values()} | {"not_own_choice"} == set(M)
+    assert {key for *_, key in MISTAKES.values()} == set(M)
 
 
 @pytest.mark.parametrize("name", list(MISTAKES))
@@ -148,7 +148,8 @@ def test_each_planted_mistake_is_named(name):
 
 def test_a_decoder_that_ignores_the_model_earns_nothing_for_training():
     """Hostile: greedy_decode returns the reversed source without asking the model; the model is
-    the student's, trained by their own loop. The checker feeds the ids back into the model."""
+    the student's, trained by their own loop. The retraining decodes with the checker's own
+    greedy decoder, so the student's greedy_decode plays no part in it."""
     cheat = '''
 def greedy_decode(model, src, src_mask, max_len):
     rows = [torch.cat([s[m].flip(0), torch.tensor([EOS])]) for s, m in zip(src, src_mask)]
@@ -164,7 +165,8 @@ def greedy_decode(model, src, src_mask, max_len):
                     "    opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n"
                     "    for _, b in zip(range(2), TASK.batches(8, seed=seed)):\n"
                     "        train_step(model, opt, (b.src, b.tgt_out))\n")
-    assert _judge(_submission(ns), "training") == M["not_own_choice"]
+    hint = _judge(_submission(ns), "training")
+    assert hint.startswith("held-out exact match") and hint.fraction == 0, hint
 
 
 def test_scripted_model_and_simulation_agree():

@@ -6,7 +6,12 @@ One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_a
 
 * `core`: cases, the student side (`exercise`) and the trusted side (`Checker.judge`), results;
 * `guard`: what each assignment forbids and how the grader notices it;
-* `sandbox` (with `child` and `protocol`): a submission run in its own process, for grading.
+* `sandbox` (with `child`, `zygote`, `protocol`, `kernel`, `poison` and `runners`): a submission
+  run in its own confined process, for grading.
+
+The names below are imported on first use (PEP 562), so that the grader's sandboxed child can
+import the student side (`core`, `runners`, `child`) without the checkers' references: the
+child never holds the code that computes an expected value.
 
 In a notebook, each ``check_*`` function runs its cases at once, prints one line per case and
 returns a `CheckResult` with ``.passed``, ``.score`` (the fraction of the points earned) and
@@ -15,22 +20,28 @@ returns a `CheckResult` with ``.passed``, ``.score`` (the fraction of the points
 
 from __future__ import annotations
 
-from .a1_attention import check_scaled_dot_product_attention
-from .a2_multi_head_attention import check_multi_head_attention
-from .a3_masks import (
-    check_batch_mask,
-    check_batch_mask_test,
-    check_causal_mask,
-    check_causal_mask_test,
-    check_padding_mask,
-)
-from .a4_positional_layer_norm import check_layer_norm, check_positional_encoding
-from .a5_feed_forward import check_swiglu_feed_forward, check_top_k_moe
-from .a6_encoder_layer import check_encoder_layer
-from .a7_decoder_layer import check_decoder_layer
-from .a8_train import check_training
-from .assignments import ASSIGNMENTS
-from .core import CaseResult, CheckResult
+import importlib
+from typing import Any
+
+_WHERE = {
+    "check_scaled_dot_product_attention": "a1_attention",
+    "check_multi_head_attention": "a2_multi_head_attention",
+    "check_causal_mask": "a3_masks",
+    "check_padding_mask": "a3_masks",
+    "check_batch_mask": "a3_masks",
+    "check_causal_mask_test": "a3_masks",
+    "check_batch_mask_test": "a3_masks",
+    "check_positional_encoding": "a4_positional_layer_norm",
+    "check_layer_norm": "a4_positional_layer_norm",
+    "check_swiglu_feed_forward": "a5_feed_forward",
+    "check_top_k_moe": "a5_feed_forward",
+    "check_encoder_layer": "a6_encoder_layer",
+    "check_decoder_layer": "a7_decoder_layer",
+    "check_training": "a8_train",
+    "ASSIGNMENTS": "assignments",
+    "CaseResult": "core",
+    "CheckResult": "core",
+}
 
 __all__ = [
     "ASSIGNMENTS",
@@ -51,3 +62,16 @@ __all__ = [
     "check_decoder_layer",
     "check_training",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'utils.checks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

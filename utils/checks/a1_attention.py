@@ -209,7 +209,11 @@ ASSIGNMENT = Assignment(
         Rule("module", "utils.models", "imports utils.models, which holds the reference "
              "attention"),
         Rule("builtin", "scaled_dot_product_attention", "calls torch's built-in "
-             "F.scaled_dot_product_attention, the function this assignment asks you to write"),
+             "F.scaled_dot_product_attention, the function this assignment asks you to write",
+             ops=("_scaled_dot_product_attention_math",
+                  "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")),
         Rule("code", "torch.nn.modules.activation", "uses torch's nn.MultiheadAttention",
              qualname="MultiheadAttention"),
         Rule("code", "torch.nn.functional", "uses torch's multi_head_attention_forward",

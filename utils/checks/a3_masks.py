@@ -31,17 +31,16 @@ import torch
 
 from .core import (
     Case,
-    CaseTimeout,
     Checker,
     CheckResult,
     Mistake,
+    Run,
     Spec,
-    StudentError,
-    register_runner,
     run_in_process,
     shape_str,
 )
 from .guard import Assignment, Rule
+from .runners import ERROR_BYTES, MASK_TEST_KIND
 
 __all__ = [
     "check_causal_mask",
@@ -457,52 +456,30 @@ def planted(family: str, code: int) -> Any:
     return batch_mask
 
 
-ERROR_BYTES = 200
-
-
-def _encode(text: str) -> torch.Tensor:
-    data = text.encode("utf-8", "replace")[:ERROR_BYTES]
-    out = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
-    if data:
-        out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    return out
-
-
 def _decode(row: torch.Tensor) -> str:
     data = bytes(int(v) for v in row.tolist() if 0 < int(v) < 256)
     text = " ".join(data.decode("utf-8", "replace").split())
     return "".join(c for c in text if c.isprintable())[:ERROR_BYTES]
 
 
-def run_mask_test(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
-    """Student side of a "mask_test" case: call the test on each implementation in turn.
-
-    ``spec.literals`` is (family, codes): the implementations, in the order to run them. Returns
-    ``outcomes`` (0 = the test returned, 1 = it raised AssertionError, 2 = it raised something
-    else) and ``errors``, the text of each exception as bytes.
-    """
-    if not callable(obj):
-        raise StudentError("type", f"expected a function, got {type(obj).__name__}")
-    family, codes = spec.literals[0], list(spec.literals[1])
-    outcomes = torch.zeros(len(codes), dtype=torch.int64)
-    errors = torch.zeros(len(codes), ERROR_BYTES, dtype=torch.uint8)
-    for k, code in enumerate(codes):
-        try:
-            obj(planted(family, int(code)))
-        except CaseTimeout:
-            raise
-        except NotImplementedError:
-            raise StudentError("call", "NotImplementedError") from None
-        except AssertionError as exc:
-            outcomes[k] = 1
-            errors[k] = _encode(f"AssertionError: {exc}" if str(exc) else "AssertionError")
-        except BaseException as exc:  # noqa: BLE001 (a test that fails by crashing still fails)
-            outcomes[k] = 2
-            errors[k] = _encode(f"{type(exc).__name__}: {exc}")
-    return outcomes, errors
+MAX_LENGTH = 512  # the largest length the planted implementations answer for in the grader
 
 
-register_runner("mask_test", run_mask_test)
+def grader_oracle(codes: list[int]) -> Any:
+    """The oracle of the grader's process (`runners.set_oracle` in the child asks it): answers
+    for implementation ``k`` with the planted code ``codes[k]``, on arguments of bounded size."""
+    def answer(family: str, k: int, args: tuple[Any, ...]) -> Any:
+        if family not in ("causal", "batch") or not 0 <= k < len(codes):
+            raise RuntimeError("no such implementation")
+        sizes = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        sizes += [int(t.max()) for t in args if isinstance(t, torch.Tensor) and t.numel()
+                  and not t.dtype.is_floating_point and t.dtype != torch.bool]
+        if any(n > MAX_LENGTH for n in sizes):
+            raise ValueError(f"lengths above {MAX_LENGTH} are not supported by the checker")
+        return planted(family, codes[k])(*args)
+    return answer
+
+
 
 
 class MaskTestChecker(Checker):
@@ -517,10 +494,33 @@ class MaskTestChecker(Checker):
                 **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return {}, {}
 
+    def isolated(self, spec: Spec) -> Any:
+        """In the grader, each implementation runs in a fresh process of its own, whose test sees
+        one implementation with no trace of which it is (its answers come from the grader), and
+        nothing of what an earlier call saw: a test can only tell right from wrong by testing."""
+        return self._one_per_process(spec)
+
+    def _one_per_process(self, spec: Spec) -> Any:
+        codes = [int(c) for c in spec.config["codes"]]
+        outcomes, errors = [], []
+        for code in codes:
+            run = Spec(MASK_TEST_KIND, {}, [], literals=[self.family, 1],
+                       outputs=["outcomes", "errors"], out_dtype="torch.int64")
+            raw = yield Run(run, grader_oracle([code]))
+            t = raw["tensors"]
+            got_o, got_e = t.get("out:outcomes"), t.get("out:errors")
+            if not (isinstance(got_o, torch.Tensor) and tuple(got_o.shape) == (1,)
+                    and isinstance(got_e, torch.Tensor) and tuple(got_e.shape) == (1, ERROR_BYTES)):
+                return {"status": "ok", "message": "", "notes": [], "tensors": {}}
+            outcomes.append(got_o.to(torch.int64))
+            errors.append(got_e.to(torch.uint8))
+        return {"status": "ok", "message": "", "notes": [],
+                "tensors": {"out:outcomes": torch.cat(outcomes), "out:errors": torch.cat(errors)}}
+
     def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
         if raw.get("status") != "ok":
             return super().judge(spec, raw)
-        codes = [int(c) for c in spec.literals[1]]
+        codes = [int(c) for c in spec.config["codes"]]
         outcomes = raw["tensors"].get("out:outcomes")
         errors = raw["tensors"].get("out:errors")
         if (not isinstance(outcomes, torch.Tensor) or tuple(outcomes.shape) != (len(codes),)
@@ -551,8 +551,9 @@ def _test_case(family: str, bug: str, copies: int = 2) -> Any:
     def make(gen: torch.Generator) -> Spec:
         codes = [0] * copies + ([codes_list.index(bug)] * copies if bug != "ok" else [0])
         order = torch.randperm(len(codes), generator=gen).tolist()
-        return Spec("mask_test", {}, [], literals=[family, [codes[k] for k in order]],
-                    outputs=["outcomes", "errors"], out_dtype="torch.int64")
+        return Spec(MASK_TEST_KIND, {}, [], literals=[family, len(codes)],
+                    outputs=["outcomes", "errors"], out_dtype="torch.int64",
+                    config={"codes": [codes[k] for k in order]})
     return make
 
 

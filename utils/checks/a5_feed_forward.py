@@ -30,25 +30,20 @@ import torch.nn.functional as F
 
 from .core import (
     Case,
-    CaseTimeout,
     Checker,
     CheckResult,
     Mistake,
     Spec,
-    StudentError,
     _allclose,
-    _exception_text,
-    _resolve,
-    build_module,
-    register_runner,
     run_in_process,
 )
 from .guard import Assignment, Rule
+from .runners import A5_KIND as KIND
+from .runners import run_module
 
 __all__ = ["check_swiglu_feed_forward", "check_top_k_moe", "FFN_CHECKER", "MOE_CHECKER",
            "ASSIGNMENT", "swiglu_ffn", "top_k_moe", "run_module", "KIND"]
 
-KIND = "a5_module"
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
@@ -56,84 +51,8 @@ _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# --------------------------------------------------------------------------------------------
-# The student side: one runner for both modules
+# The student side (one runner for both modules) is `runners.run_module`.
 
-
-def _param_names(spec: Spec) -> list[str]:
-    """The weights of a case: the tensors whose name is an attribute path (it has a dot)."""
-    return [n for n in spec.tensors if "." in n]
-
-
-def run_module(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
-    """Build ``obj(*ctor_args, **ctor_kwargs)``, call it on ``x`` with the case's weights.
-
-    The weights (``inputs`` named by attribute path, ``w_up.weight``, ``experts.0.w_gate.weight``,
-    ...) replace the module's parameters for the call, so autograd takes their gradients as it
-    takes the input's. The module must have exactly these parameters. For the mixture of
-    experts (``spec.outputs`` ends with ``routing``) the call must return ``(output, aux_loss)``
-    and leave the chosen experts in ``module.last_routing``; they come back as float32 indices.
-    """
-    module = build_module(obj, spec)
-    names = _param_names(spec)
-    for first in dict.fromkeys(n.split(".")[0] for n in names):
-        held = getattr(module, first, None)
-        if isinstance(held, (list, tuple)):
-            raise StudentError("type", f"`{first}` is a Python {type(held).__name__}: make it "
-                                       "an nn.ModuleList, so that the weights of its modules "
-                                       "are parameters of your module")
-    for path in names:
-        owner, last = _resolve(module, path)
-        target = getattr(owner, last, None)
-        want = tuple(spec.tensors[path].shape)
-        if not isinstance(target, torch.Tensor):
-            raise StudentError("load", f"your module has no tensor `{path}` (expected shape "
-                                       f"{want})")
-        if tuple(target.shape) != want:
-            raise StudentError("load", f"`{path}` has shape {tuple(target.shape)}, expected "
-                                       f"{want}")
-    try:
-        own = [n for n, _ in module.named_parameters()]
-    except CaseTimeout:
-        raise
-    except BaseException as exc:
-        raise StudentError("build", _exception_text(exc)) from None
-    extra = [n for n in own if n not in names]
-    if extra:
-        listed = ", ".join(f"`{n}`" for n in extra[:3]) + (", ..." if len(extra) > 3 else "")
-        note = (" (with bias=False, build every nn.Linear with bias=False)"
-                if any(n.endswith(".bias") for n in extra) else "")
-        raise StudentError("type", f"your module has parameters the assignment does not ask "
-                                   f"for: {listed}{note}")
-    module.train(spec.train)
-    params = {n: inputs[n] for n in names}
-    try:
-        got = torch.func.functional_call(module, params, (inputs["x"],), strict=False)
-    except CaseTimeout:
-        raise
-    except StudentError:
-        raise
-    except BaseException as exc:
-        raise StudentError("call", _exception_text(exc)) from None
-    if spec.outputs[-1] != "routing":
-        return got
-    if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        what = type(got).__name__ if not isinstance(got, (tuple, list)) else \
-            f"a {type(got).__name__} of {len(got)}"
-        raise StudentError("type", f"returned {'None' if got is None else what}, expected a "
-                                   "tuple (output, aux_loss)")
-    routing = getattr(module, "last_routing", None)
-    if not isinstance(routing, torch.Tensor):
-        raise StudentError("type", "after a forward pass, `self.last_routing` must hold the "
-                                   "chosen experts as a tensor of shape (..., k); it is "
-                                   f"{type(routing).__name__}")
-    if routing.is_floating_point() or routing.is_complex() or routing.dtype == torch.bool:
-        raise StudentError("type", "`self.last_routing` must hold expert indices as integers "
-                                   f"(torch.long, as torch.topk returns them), not {routing.dtype}")
-    return got[0], got[1], routing.detach().to(torch.float32)
-
-
-register_runner(KIND, run_module)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,18 +39,13 @@ from .core import (
     CheckResult,
     Mistake,
     Spec,
-    StudentError,
-    _load_params,
-    build_module,
-    register_runner,
     run_in_process,
 )
 from .guard import Assignment, Rule
+from .runners import CAUSALITY_KIND, MASK_KIND
 
 __all__ = ["check_decoder_layer", "CHECKER", "ASSIGNMENT", "decoder_layer", "causal_variant"]
 
-MASK_KIND = "decoder_mask"
-CAUSALITY_KIND = "decoder_causality"
 
 
 def causal_variant(length: int, variant: str = "ok") -> torch.Tensor:
@@ -140,40 +135,8 @@ def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Ten
     return norm(add(x, ff(x), "ff"), names["ff"])
 
 
-# --------------------------------------------------------------------------------------------
-# The student side of the two kinds of case of this assignment
+# The student side of the two kinds of case of this assignment is in `runners`.
 
-
-def _mask_method(obj: Any) -> Any:
-    fn = getattr(obj, "causal_mask", None)
-    if not callable(fn):
-        raise StudentError("type", "your DecoderLayer has no static method `causal_mask(length)`: "
-                                   "the checker makes the causal mask with it")
-    return fn
-
-
-def _run_mask(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
-    """``DecoderLayer.causal_mask(L)``, as the student wrote it."""
-    return _mask_method(obj)(*spec.literals)
-
-
-def _run_causality(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
-    """The student's layer, with the student's causal mask, on ``x`` and on ``x_changed``.
-
-    Returns both outputs; what they mean is decided on the trusted side.
-    """
-    module = build_module(obj, spec)
-    _load_params(module, spec.params)
-    module.train(spec.train)
-    mask = _mask_method(obj)(inputs["x"].shape[1])
-    kwargs = {k: inputs[n] for k, n in spec.kwargs.items()}
-    first = module(inputs["x"], inputs["memory"], tgt_mask=mask, **kwargs)
-    second = module(inputs["x_changed"], inputs["memory"], tgt_mask=mask, **kwargs)
-    return first, second
-
-
-register_runner(MASK_KIND, _run_mask)
-register_runner(CAUSALITY_KIND, _run_causality)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,43 +29,43 @@ four.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..data import BOS, EOS, PAD, ReversalTask
 from .core import (
     Case,
     CaseResult,
-    CaseTimeout,
     Checker,
     CheckResult,
     Mistake,
+    Run,
     Spec,
-    StudentError,
-    register_runner,
     run_in_process,
 )
 from .guard import Assignment, Rule
+from .runners import A8_KIND as KIND
+from .runners import (
+    TASK_ARGS,
+    VOCAB,
+    ScriptedModel,  # noqa: F401 (re-exported: the tests use it from here)
+    Submission,
+    _after_eos_to_pad,
+    _as_mask,
+    scripted_next,
+)
 
 __all__ = ["check_training", "CHECKER", "ASSIGNMENT", "TASK_ARGS", "STEPS", "PASS_ACCURACY",
            "partial_fraction"]
 
-TASK_ARGS = {"min_len": 3, "max_len": 8, "num_symbols": 8}
-"""The task of the assignment: ``ReversalTask(**TASK_ARGS)`` (the notebook's ``TASK``)."""
-VOCAB = len(ReversalTask(**TASK_ARGS).vocab)  # 11: three specials and eight symbols
 STEPS = 400  # the step budget of the retraining case
 BATCH_SIZE = 64  # the notebook's BATCH_SIZE: train reads TASK.batches(BATCH_SIZE, seed=seed)
-DECODE_LEN = TASK_ARGS["max_len"] + 2  # room for the answer, <eos> and one token to spare
 NUM_TEST = 300
 PASS_ACCURACY = 0.95
 ZERO_ACCURACY = 0.50
 TRAIN_TIME_S = 60.0  # the retraining case's wall-clock limit (the default per case is 5 s)
-STALE = 1.0e4  # the stale gradient left in .grad before train_step runs
-KIND = "a8_train"
 FUNCTIONS = ("build_model", "train_step", "greedy_decode", "train")
 
 
@@ -92,65 +92,9 @@ class PartialHint(str):
         return obj
 
 
-@dataclass
-class Submission:
-    """The four functions of a submission, as `check_training` receives them in a notebook."""
-
-    build_model: Any
-    train_step: Any
-    greedy_decode: Any
-    train: Any
-
 
 # --------------------------------------------------------------------------------------------
 # The scripted model of the decoding cases: its greedy tokens are known in advance
-
-
-def scripted_next(src: torch.Tensor, src_mask: torch.Tensor | None, prev: torch.Tensor,
-                  t: int, training: bool) -> torch.Tensor:
-    """The scripted model's next token after ``prev`` (B,) at decoder position ``t``.
-
-    A row's "key" sums its source tokens, weighted by position, over the positions its mask
-    keeps (all of them without a mask, padding included, so a missing mask changes the key).
-    Row b says ``<eos>`` at position ``src[b, 0] - 3``; training mode (dropout on) shifts every
-    other token by one.
-    """
-    keep = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
-    pos = torch.arange(1, src.shape[1] + 1)
-    key = ((src + 1) * pos * keep).sum(dim=1)
-    tok = 3 + (key * 7 + prev * 5 + 3 * t + int(training)) % (VOCAB - 3)
-    return torch.where(src[:, 0] - 3 == t, torch.full_like(tok, EOS), tok)
-
-
-def _as_mask(mask: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """A student's source mask as (B, L_s) bool, or None when it is not one."""
-    if not isinstance(mask, torch.Tensor) or mask.numel() != math.prod(shape):
-        return None
-    return mask.reshape(shape).bool()
-
-
-class ScriptedModel(nn.Module):
-    """A stand-in for a trained model: ``model(src, tgt, src_mask, tgt_mask)`` -> logits whose
-    argmax at position t is `scripted_next` of ``tgt[:, t]``. It records each call: training
-    mode, whether a source mask came, grad mode and the decoder input's length."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))
-        self.log: list[list[int]] = []
-
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: Any = None,
-                tgt_mask: Any = None, memory_mask: Any = None) -> torch.Tensor:
-        mask = _as_mask(src_mask, tuple(src.shape))
-        self.log.append([int(self.training), int(mask is not None), int(torch.is_grad_enabled()),
-                         int(tgt.shape[1])])
-        b, length = tgt.shape
-        logits = torch.zeros(b, length, VOCAB)
-        for t in range(length):
-            nxt = scripted_next(src, mask, tgt[:, t].long(), t, self.training)
-            logits[torch.arange(b), t, nxt] = 4.0
-            logits[torch.arange(b), t, (nxt + 1) % VOCAB] += 1.0
-        return logits * self.scale
 
 
 def simulate_greedy(src: torch.Tensor, src_mask: torch.Tensor | None, max_len: int,
@@ -178,250 +122,6 @@ def simulate_greedy(src: torch.Tensor, src_mask: torch.Tensor | None, max_len: i
             break
     return torch.stack(out, dim=1)
 
-
-# --------------------------------------------------------------------------------------------
-# The student side
-
-
-class _RecordingSGD(torch.optim.SGD):
-    """Plain SGD that counts its calls and notes whether the gradients were all zero at a step."""
-
-    def __init__(self, params: Any, lr: float):
-        super().__init__(params, lr=lr)
-        self.zero_grads = 0
-        self.steps = 0
-        self.zero_at_step = 0
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grads += 1
-        super().zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        self.steps += 1
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads or all(not bool(gr.any()) for gr in grads):
-            self.zero_at_step += 1
-        return super().step(closure)
-
-
-def _functions(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    """The student's functions ``names``: from a `Submission`, or from the namespace in which
-    the function ``obj`` was defined (the notebook's)."""
-    if isinstance(obj, Submission):
-        found = {n: getattr(obj, n) for n in names}
-    else:
-        space = getattr(obj, "__globals__", None)
-        if not isinstance(space, dict):
-            raise StudentError("type", "`train` must be a function defined with `def` in your "
-                                       f"notebook, got {type(obj).__name__}")
-        found = {n: space.get(n) for n in names}
-    for name, fn in found.items():
-        if fn is None:
-            raise StudentError("type", f"your notebook defines no `{name}`")
-        if not callable(fn):
-            raise StudentError("type", f"`{name}` must be a function, got {type(fn).__name__}")
-    return found
-
-
-def _call(name: str, fn: Any, *args: Any) -> Any:
-    """Call the student's ``fn``; any exception becomes a `StudentError` naming ``name``."""
-    try:
-        return fn(*args)
-    except (CaseTimeout, StudentError):
-        raise
-    except BaseException as exc:
-        text = " ".join(str(exc).split())[:160]
-        what = "NotImplementedError" if isinstance(exc, NotImplementedError) else (
-            f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
-        raise StudentError("call", f"{name}|{what}") from None
-
-
-def _build(fns: dict[str, Any]) -> nn.Module:
-    model = _call("build_model", fns["build_model"], VOCAB)
-    if not isinstance(model, nn.Module):
-        raise StudentError("type", f"build_model returned {type(model).__name__}, not an "
-                                   "nn.Module")
-    return model
-
-
-def _logits(name: str, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-    try:
-        out = model(*args, **kwargs)
-    except (CaseTimeout, StudentError):
-        raise
-    except BaseException as exc:
-        text = " ".join(str(exc).split())[:160]
-        raise StudentError("call", f"{name}|{type(exc).__name__}: {text}") from None
-    if not isinstance(out, torch.Tensor):
-        raise StudentError("type", f"your model returned {type(out).__name__}, not a tensor "
-                                   "of logits (B, L_t, V)")
-    return out.detach().float()
-
-
-def _ids(name: str, value: Any) -> torch.Tensor:
-    """The student's decoded ids as a (B, T) int64 tensor (a list of lists is padded)."""
-    if isinstance(value, (list, tuple)) and value and all(
-            isinstance(r, (list, tuple, torch.Tensor)) for r in value):
-        rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in value]
-        out = torch.full((len(rows), max(len(r) for r in rows)), PAD, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = r
-        return out
-    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.is_floating_point():
-        raise StudentError("type", f"{name} returned {type(value).__name__}"
-                           f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, "
-                           "expected a (B, T) tensor of int64 token ids")
-    return value.long()
-
-
-def _after_eos_to_pad(ids: torch.Tensor) -> torch.Tensor:
-    """``ids`` with every token after a row's first ``<eos>`` replaced by ``<pad>``."""
-    is_eos = (ids == EOS).long()
-    after = (torch.cumsum(is_eos, dim=1) - is_eos) > 0
-    return torch.where(after, torch.full_like(ids, PAD), ids)
-
-
-def _causal(length: int) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool).tril()
-
-
-def _perturb_last(tgt: torch.Tensor) -> torch.Tensor:
-    """``tgt`` with every token of its last column replaced by another ordinary symbol."""
-    out = tgt.clone()
-    out[:, -1] = 3 + (out[:, -1].clamp(min=3) - 3 + 1) % (VOCAB - 3)
-    return out
-
-
-def _run_model(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    fns = _functions(obj, ("build_model",))
-    model = _build(fns)
-    model.eval()
-    src, tgt, mask = x["src"], x["tgt"], x["src_mask"]
-    causal = _causal(tgt.shape[1])
-    with torch.no_grad():
-        base = _logits("your model", model, src, tgt, mask, causal)
-        later = _logits("your model", model, src, _perturb_last(tgt), mask, causal)
-        other = torch.where(mask, src, torch.full_like(src, 3 + (VOCAB - 4)))
-        padded = _logits("your model", model, other, tgt, mask, causal)
-    return base, later, padded
-
-
-def _run_train_step(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    fns = _functions(obj, ("build_model", "train_step"))
-    model = _build(fns)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise StudentError("type", "build_model's model has no trainable parameter")
-    calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
-    seen = {"backward": 0, "stale": 0}
-
-    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               output: Any) -> None:
-        calls.append((args, dict(kwargs), output))
-
-    def accumulated(p: torch.Tensor) -> None:
-        seen["backward"] += 1
-        if p.grad is not None and p.grad.numel() and float(p.grad.abs().min()) > STALE / 2:
-            seen["stale"] += 1
-
-    handles = [model.register_forward_hook(record, with_kwargs=True)]
-    handles += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
-    opt = _RecordingSGD(params, lr=1e-3)
-    for p in params:  # what an earlier step would have left behind
-        p.grad = torch.full_like(p, STALE)
-    try:
-        loss = _call("train_step", fns["train_step"], model, opt, (x["src"].clone(),
-                                                                    x["tgt"].clone()))
-    finally:
-        for h in handles:
-            h.remove()
-    try:
-        loss_value = float(loss)
-    except (TypeError, ValueError, RuntimeError):
-        raise StudentError("type", f"train_step returned {type(loss).__name__}, expected the "
-                                   "loss as a float (loss.item())") from None
-    if not calls:
-        raise StudentError("type", "train_step never called the model: call model(src, "
-                                   "tgt_in, src_mask, tgt_mask)")
-    args, kwargs, output = calls[0]
-    names = ("src", "tgt", "src_mask", "tgt_mask")
-    given = dict(zip(names, args, strict=False))
-    given.update({k: v for k, v in kwargs.items() if k in names})
-    dec_in = given.get("tgt")
-    if not isinstance(dec_in, torch.Tensor) or not isinstance(output, torch.Tensor):
-        raise StudentError("type", "train_step must call model(src, tgt_in, src_mask, "
-                                   "tgt_mask), which returns the logits")
-    src_mask = given.get("src_mask")
-    cleared = all(p.grad is None or not bool(p.grad.any()) for p in params)
-    events = torch.tensor([opt.zero_grads, seen["stale"], seen["backward"], opt.steps,
-                           opt.zero_at_step, int(cleared), len(calls),
-                           int(isinstance(src_mask, torch.Tensor))], dtype=torch.long)
-    mask_out = (src_mask.detach().clone() if isinstance(src_mask, torch.Tensor)
-                else torch.zeros(0, dtype=torch.bool))
-    # The causality probe: the same call in eval mode, then with the last decoder token changed.
-    model.eval()
-    changed = _perturb_last(dec_in.detach())
-    k_args = list(args)
-    k_kwargs = dict(kwargs)
-    with torch.no_grad():
-        base = _logits("your model", model, *k_args, **k_kwargs)
-        if len(k_args) >= 2:
-            k_args[1] = changed
-        else:
-            k_kwargs["tgt"] = changed
-        later = _logits("your model", model, *k_args, **k_kwargs)
-    return (dec_in.detach().clone(), mask_out, output.detach().float(),
-            torch.tensor(loss_value, dtype=torch.float64), events, base, later)
-
-
-def _run_greedy(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    fns = _functions(obj, ("greedy_decode",))
-    model = ScriptedModel()
-    model.train(spec.train)
-    out = _call("greedy_decode", fns["greedy_decode"], model, x["src"].clone(),
-                x["src_mask"].clone(), int(spec.literals[1]))
-    ids = _ids("greedy_decode", out)
-    log = torch.tensor(model.log, dtype=torch.long).reshape(-1, 4)
-    return ids, log
-
-
-def _run_training(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    fns = _functions(obj, ("build_model", "train", "greedy_decode"))
-    steps, seed = int(spec.literals[1]), int(spec.literals[2])
-    torch.manual_seed(seed)
-    model = _build(fns)
-    before = [p.detach().clone() for p in model.parameters()]
-    _call("train", fns["train"], model, steps, seed)
-    after = list(model.parameters())
-    change = sum(float((a.detach() - b).abs().sum()) for a, b in zip(after, before, strict=False))
-    src, mask = x["src"], x["src_mask"]
-    out = _ids("greedy_decode", _call("greedy_decode", fns["greedy_decode"], model, src.clone(),
-                                      mask.clone(), DECODE_LEN))
-    # Are these the model's own choices? Its argmax with its own output as the decoder input.
-    model.eval()
-    dec_in = torch.cat([torch.full((out.shape[0], 1), BOS, dtype=torch.long), out[:, :-1]], 1)
-    dec_in = dec_in.clamp(0, VOCAB - 1) if out.shape[1] else dec_in
-    with torch.no_grad():
-        chosen = (_logits("your model", model, src, dec_in, mask, _causal(dec_in.shape[1]))
-                  .argmax(-1) if out.shape[1] else out.clone())
-    stats = torch.tensor([change, sum(p.numel() for p in before)], dtype=torch.float64)
-    return out, chosen, stats
-
-
-_MODES = {"model": _run_model, "train_step": _run_train_step, "greedy": _run_greedy,
-          "training": _run_training}
-
-
-def _runner(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    # Tiny matrices gain nothing from a second thread, and on a busy machine threads that wait
-    # for each other slow training down several times over; the grader's child has one already.
-    # (`guarded_exercise` puts the caller's thread count back afterwards.)
-    torch.set_num_threads(1)
-    return _MODES[spec.literals[0]](obj, spec, x)
-
-
-register_runner(KIND, _runner)
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,9 +173,6 @@ M = {
     "first_eos_stops": "decoding stops when the first row ends: go on until every row has "
                        "produced <eos> (or max_len tokens)",
     "off_by_one": "max_len is off by one: generate at most max_len tokens (<eos> included)",
-    "not_own_choice": "the tokens greedy_decode returns are not your model's greedy choices: "
-                      "take the argmax of the model's logits at each step (see the decoding "
-                      "cases)",
     "no_training": "training changed no parameter of the model: train must call train_step, "
                    "whose optimizer step updates the model it was given",
 }
@@ -665,25 +362,66 @@ class TrainingChecker(Checker):
 
     # -- the retraining -------------------------------------------------------------------------
 
+    def isolated(self, spec: Spec) -> Any:
+        """The retraining, in the grader: three fresh processes. The first builds the model and
+        trains it with the student's ``train`` (on the stream of the grader's seed) and sends
+        back its initial and its trained state; nothing of the test set is in it. Then, in a
+        random order, one process decodes the held-out sources with the trained state and one
+        with the initial state, each with the grader's own greedy decoder, and neither can tell
+        which state it holds. Answers that do not come from training (a model that reverses by
+        hand, a runner replaced by a stub) show up as a model that answers as well untrained."""
+        if spec.literals[0] != "training":
+            return None
+        return self._retrain(spec)
+
+    def _retrain(self, spec: Spec) -> Any:
+        steps, seed = int(spec.literals[1]), int(spec.literals[2])
+        raw = yield Run(Spec(KIND, {}, [], literals=["train_only", steps, seed], outputs=["*"]))
+        t = raw["tensors"]
+        initial = {k[len("out:initial."):]: v for k, v in t.items()
+                   if k.startswith("out:initial.")}
+        trained = {k[len("out:trained."):]: v for k, v in t.items()
+                   if k.startswith("out:trained.")}
+        change = sum(float((trained[k].double() - v.double()).abs().sum())
+                     for k, v in initial.items() if k in trained and trained[k].shape == v.shape
+                     and v.is_floating_point())
+        count = sum(v.numel() for v in initial.values() if v.is_floating_point())
+        answers = {}
+        order = ["trained", "initial"]
+        if seed % 2:
+            order.reverse()
+        for which in order:
+            state = trained if which == "trained" else initial
+            tensors = dict(spec.tensors)
+            tensors.update({f"state.{k}": v for k, v in state.items()})
+            run = Spec(KIND, tensors, [], literals=["evaluate", seed], outputs=["ids"])
+            got = yield Run(run)
+            ids = got["tensors"].get("out:ids")
+            if not isinstance(ids, torch.Tensor):
+                return {"status": "type", "message": "the evaluation returned no answers",
+                        "tensors": {}, "notes": []}
+            answers[which] = ids
+        return {"status": "ok", "message": "", "notes": [],
+                "tensors": {"out:ids": answers["trained"], "out:control": answers["initial"],
+                            "out:stats": torch.tensor([change, count], dtype=torch.float64)}}
+
     def _judge_training(self, spec: Spec, t: dict[str, torch.Tensor]) -> str | None:
         src = spec.tensors["src"]
-        out, chosen, stats = t["out:ids"], t["out:chosen"], t["out:stats"]
-        if out.shape[0] != src.shape[0]:
-            return f"greedy_decode returned {out.shape[0]} rows for {src.shape[0]} sources"
+        out, stats = t["out:ids"], t["out:stats"]
+        if out.dim() != 2 or out.shape[0] != src.shape[0]:
+            return f"decoding returned {tuple(out.shape)} ids for {src.shape[0]} sources"
         if float(stats[0]) == 0.0:
             return M["no_training"]
-        lengths = (src != PAD).sum(dim=1)
-        correct = 0
-        own = 0
-        for i in range(src.shape[0]):
-            row = out[i].tolist()
-            upto = row.index(EOS) + 1 if EOS in row else len(row)
-            own += chosen.shape == out.shape and torch.equal(chosen[i, :upto], out[i, :upto])
-            answer = src[i, : int(lengths[i])].flip(0).tolist() + [EOS]
-            correct += row[:upto] == answer
-        if own < 0.9 * src.shape[0]:
-            return M["not_own_choice"]
-        accuracy = correct / src.shape[0]
+        accuracy = exact_match(src, out)
+        control = t.get("out:control")
+        if control is not None:
+            before = exact_match(src, control) if control.dim() == 2 and \
+                control.shape[0] == src.shape[0] else 0.0
+            if before >= ZERO_ACCURACY:
+                return (f"the model answers without training: with its initial weights it "
+                        f"already reverses {100 * before:.0f}% of the held-out sources (trained: "
+                        f"{100 * accuracy:.0f}%). The answers must come from the weights that "
+                        "train learns, not from code that computes the reversal")
         if accuracy >= PASS_ACCURACY:
             return None
         share = partial_fraction(accuracy)
@@ -691,6 +429,17 @@ class TrainingChecker(Checker):
             f"held-out exact match {100 * accuracy:.0f}%, below {PASS_ACCURACY:.0%}: "
             f"{share:.0%} of the points (none at {ZERO_ACCURACY:.0%} or less, all at "
             f"{PASS_ACCURACY:.0%}); look at the other cases for the mistake", share)
+
+
+def exact_match(src: torch.Tensor, ids: torch.Tensor) -> float:
+    """The share of rows of ``ids`` that are exactly the reversal of their source and ``<eos>``."""
+    lengths = (src != PAD).sum(dim=1)
+    correct = 0
+    for i in range(src.shape[0]):
+        row = ids[i].tolist()
+        upto = row.index(EOS) + 1 if EOS in row else len(row)
+        correct += row[:upto] == src[i, : int(lengths[i])].flip(0).tolist() + [EOS]
+    return correct / max(1, src.shape[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -765,7 +514,7 @@ def _training_case(gen: torch.Generator) -> Spec:
     for i, (s, _) in enumerate(test):
         src[i, : len(s)] = torch.tensor(s)
     return Spec(KIND, {"src": src, "src_mask": src != PAD}, [],
-                literals=["training", STEPS, seed], outputs=["ids", "chosen", "stats"])
+                literals=["training", STEPS, seed], outputs=["ids", "stats"])
 
 
 # Points per case: the one place where this assignment's points are declared.

@@ -1,40 +1,41 @@
 """The sandboxed child of the grader: runs one submission's code, then exercises it case by case.
 
-It starts in a folder of its own that holds a copy of the notebook only, with the grader's pipes
-on its standard input and output. Usually `utils.checks.zygote` forks it from a process that has
-already imported torch; without ``os.fork`` `utils.checks.sandbox` starts it afresh as ``python
--I -m utils.checks.child``. Either way, `serve` then does the same: it reads its instructions from
-the grader, sets its own resource limits, keeps private copies of its pipes (the student's prints
-go to a log file), installs the `Monitor`, runs the notebook's code cells, and answers each case
-with raw tensors. It never says whether a case passed: the grader decides.
+`utils.checks.zygote` forks it from a process that has imported torch and the student side of
+the checkers (`core`, `runners`), never a checker's reference. `serve` reads its instructions
+from the grader and, before the notebook's first line runs:
+
+1. moves the student's prints to a log file in its folder and keeps private copies of its pipes;
+2. imports the modules whose forbidden parts it must poison, and poisons them (`poison`):
+   torch's forbidden operators through the dispatcher, forbidden Python code in place;
+3. stands in for IPython (``get_ipython()``: magics do nothing, shell commands are refused) and
+   for the checkers (``from utils.checks import check_...`` gives a function that does nothing);
+4. sets its resource limits and gives up every privilege (`kernel`), confines itself with
+   Landlock (read only what it needs, write only in its own folder), installs the seccomp
+   filter (no process, no exec, no socket, no signal to another process), and last an audit
+   hook (no ctypes, no walk through every object of the process).
+
+Only then does it run the notebook's code cells and answer each case with raw tensors. It never
+says whether a case passed: the grader decides. A step of 4 that fails stops the child before
+the notebook runs, unless the grader said ``insecure``.
 """
 
 from __future__ import annotations
 
 import builtins
 import os
-import re
-import resource
 import sys
+import types
 from typing import Any
 
+import numpy as np
 import torch
 
-from .core import Spec, guarded_exercise
-from .guard import Monitor
+from . import kernel, runners
+from .core import CheckResult, Spec, guarded_exercise
+from .poison import Reporter, install_audit_hook, poison_operators, poison_python
 from .protocol import read_trusted, write_frame
 
-_MAGIC = re.compile(r"^\s*[%!]")
-
-
-def _limit(limits: dict[str, Any]) -> None:
-    mem = int(limits["memory_mb"]) * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    cpu = int(limits["cpu_s"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    size = 64 * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+MAX_CALLS = 2000  # oracle calls in one case
 
 
 def _one_thread(n: int) -> None:
@@ -49,19 +50,132 @@ def _error_text(exc: BaseException) -> str:
 
 def _describe_target(obj: Any) -> dict[str, Any]:
     if obj is None:
-        return {"exists": False}
-    info: dict[str, Any] = {"exists": True, "type": type(obj).__name__}
+        return {"exists": False, "type": "", "mro": []}
+    info: dict[str, Any] = {"exists": True, "type": type(obj).__name__[:100]}
     if isinstance(obj, type):
-        info["mro"] = [[str(c.__module__), str(c.__qualname__)] for c in obj.__mro__]
+        info["mro"] = [[str(c.__module__)[:200], str(c.__qualname__)[:200]]
+                       for c in obj.__mro__][:50]
     else:
-        info["mro"] = [[str(getattr(obj, "__module__", "")), str(getattr(obj, "__qualname__", ""))]]
+        info["mro"] = [[str(getattr(obj, "__module__", ""))[:200],
+                        str(getattr(obj, "__qualname__", ""))[:200]]]
     return info
+
+
+class _Shell:
+    """What ``get_ipython()`` returns in the grader: magics and shell commands do nothing (a
+    ``!pip install`` left in a notebook must not stop the rest of its cell)."""
+
+    def run_line_magic(self, name: str, line: str, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def run_cell_magic(self, name: str, line: str, cell: str, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def system(self, cmd: str, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def getoutput(self, cmd: str, *args: Any, **kwargs: Any) -> list[str]:
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _stub_checkers() -> None:
+    """``from utils.checks import check_...`` gives a checker that does nothing in the grader."""
+    checks = sys.modules["utils.checks"]
+
+    def stub(*args: Any, **kwargs: Any) -> CheckResult:
+        return CheckResult("not run while grading")
+
+    def getattr_(name: str) -> Any:
+        if name.startswith("check_"):
+            return stub
+        raise AttributeError(f"module 'utils.checks' has no attribute {name!r}")
+
+    checks.__getattr__ = getattr_  # type: ignore[attr-defined]
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """An argument of a planted implementation as data the grader accepts."""
+    if depth > 4:
+        raise TypeError("the checker's implementations take ints, lists and tensors")
+    if isinstance(value, torch.Tensor):
+        if value.numel() > 65536:
+            raise ValueError("a tensor too large for the checker's implementations")
+        return value.detach().cpu().clone()
+    if isinstance(value, np.ndarray):
+        return _plain(torch.from_numpy(np.ascontiguousarray(value)), depth)
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        if len(value) > 4096:
+            raise ValueError("a list too long for the checker's implementations")
+        return [_plain(v, depth + 1) for v in value]
+    raise TypeError(f"the checker's implementations take ints, lists and tensors, not "
+                    f"{type(value).__name__}")
+
+
+_EXCEPTIONS = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError,
+               "RuntimeError": RuntimeError, "OverflowError": OverflowError}
+
+
+def _remote_oracle(inp: int, out: int) -> Any:
+    """The oracle of "mask_test" cases in the child: ask the grader, which alone knows the
+    implementation behind each number."""
+    calls = [0]
+
+    def oracle(family: str, k: int, args: tuple[Any, ...]) -> Any:
+        calls[0] += 1
+        if calls[0] > MAX_CALLS:
+            raise RuntimeError(f"more than {MAX_CALLS} calls of the implementation in one case")
+        write_frame(out, {"op": "call", "family": family, "k": int(k),
+                          "args": [_plain(a) for a in args]})
+        answer = read_trusted(inp)
+        if answer.get("op") == "reply":
+            return answer["value"]
+        raise _EXCEPTIONS.get(str(answer.get("type")), RuntimeError)(str(answer.get("message")))
+
+    def reset() -> None:
+        calls[0] = 0
+
+    oracle.reset = reset  # type: ignore[attr-defined]
+    return oracle
+
+
+def _confine(start: dict[str, Any], out: int) -> Reporter:
+    """Steps 2 to 4 of the module's docstring. Raises on a failed kernel step."""
+    reporter = Reporter(out)
+    secure = not start.get("insecure")
+    limits = start["limits"]
+    kernel.set_parent_death_signal()
+    poison_python([tuple(t) for t in start["poison_python"]], reporter)
+    poison_operators([tuple(t) for t in start["poison_ops"]], reporter)
+    builtins.get_ipython = lambda: _Shell()  # type: ignore[attr-defined]
+    _stub_checkers()
+    torch.set_num_threads(1)
+    # One thread for good: a notebook's torch.set_num_threads(n) is ignored.
+    torch.set_num_threads = _one_thread
+    kernel.set_limits(limits["memory_mb"], limits["cpu_s"], limits.get("file_mb", 16),
+                      limits.get("open_files", 64))
+    if secure:
+        kernel.drop_privileges()
+        kernel.landlock(start["readable"] + [f"/proc/{os.getpid()}"], [os.getcwd()],
+                        start["listable"])
+        kernel.seccomp()
+    # Last: the hook refuses ctypes, which the steps above use.
+    install_audit_hook([tuple(m) for m in start["forbidden_modules"]], start["source_roots"],
+                       reporter, os.getcwd())
+    return reporter
 
 
 def serve() -> None:
     """Run the protocol until the grader says "end" (or the student's code ends the process).
 
-    Nothing of the student's runs before the limits and the monitor are in place.
+    Nothing of the student's runs before the limits, the poison and the confinement are in
+    place.
     """
     inp, out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -72,28 +186,25 @@ def serve() -> None:
     os.close(null)
     os.close(log)
     start = read_trusted(inp)
-    _limit(start["limits"])
-    torch.set_num_threads(1)
-    # One thread for good: a notebook's torch.set_num_threads(n) is ignored, so that the only
-    # thread is the main one and any other is the notebook's own (see Monitor.check_threads).
-    torch.set_num_threads = _one_thread
-
-    def report(kind: str, detail: str) -> None:
-        write_frame(out, {"op": "flag", "kind": kind, "detail": detail[:300]})
-
-    monitor = Monitor(start["rules"], os.getcwd(), start["readable"], start["forbidden_files"],
-                      report)
+    try:
+        _confine(start, out)
+    except Exception as exc:  # noqa: BLE001 (a kernel step failed: nothing of the student's runs)
+        write_frame(out, {"op": "fatal", "error": _error_text(exc)})
+        os._exit(71)
+    oracle = _remote_oracle(inp, out)
+    runners.set_oracle(oracle)
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    sys.modules["__main__"].__dict__.update(ns)
+    ns = sys.modules["__main__"].__dict__
     errors = []
-    monitor.install()
     for i, src in enumerate(start["cells"]):
-        src = "\n".join(ln for ln in src.splitlines() if not _MAGIC.match(ln))
         try:
-            exec(compile(src, f"<cell {i + 1}>", "exec"), ns)
+            exec(compile(src, f"<cell {i + 1}>", "exec"), ns)  # noqa: S102 (the submission)
         except BaseException as exc:  # the student's error: note it, run the next cell
-            errors.append({"cell": i + 1, "error": _error_text(exc)})
+            if len(errors) < 20:
+                errors.append({"cell": i + 1, "error": _error_text(exc)})
     targets = {name: _describe_target(ns.get(name)) for name in start["targets"]}
-    monitor.check_threads()
     write_frame(out, {"op": "ready", "errors": errors, "targets": targets})
     while True:
         msg = read_trusted(inp)
@@ -104,14 +215,9 @@ def serve() -> None:
             raw: dict[str, Any] = {"status": "missing", "message": msg["target"],
                                    "tensors": {}, "notes": []}
         else:
-            monitor.watch_calls()
-            try:
-                raw = guarded_exercise(obj, Spec.from_payload(msg["spec"]), None)
-            finally:
-                monitor.stop_watching_calls()
-        monitor.check_threads()
-        write_frame(out, {"op": "result", "id": msg["id"], "raw": raw}, tensors=True)
-    sys.stdout.flush()
+            oracle.reset()
+            raw = guarded_exercise(obj, Spec.from_payload(msg["spec"]), None)
+        write_frame(out, {"op": "result", "id": msg["id"], "raw": raw})
     os._exit(0)
 
 

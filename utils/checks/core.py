@@ -24,7 +24,7 @@ import math
 import random
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Run",
     "CaseResult",
     "CheckResult",
     "Case",
@@ -71,6 +72,19 @@ def register_runner(kind: str, runner: Runner) -> Runner:
         raise ValueError(f"the kind {kind!r} is built in")
     RUNNERS[kind] = runner
     return runner
+
+
+@dataclass
+class Run:
+    """One run of a case in a fresh process of its own, for the grader (see `Checker.isolated`).
+
+    ``oracle(family, k, args)``, when given, answers the calls the student's code makes of the
+    implementations that the case hands it (assignment 3's behaviour tests), in the grader's
+    own process.
+    """
+
+    spec: Spec
+    oracle: Callable[[str, int, tuple[Any, ...]], Any] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +364,11 @@ def _describe(value: Any) -> str:
 
 
 def _outputs(got: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    if list(names) == ["*"]:  # a runner that names its own outputs (a model's state, ...)
+        if not isinstance(got, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in got.items()):
+            raise StudentError("type", f"returned {_describe(got)}, expected tensors by name")
+        return dict(got)
     if len(names) == 1:
         if not isinstance(got, torch.Tensor):
             extra = ": return the tensor alone" if isinstance(got, (tuple, list)) else ""
@@ -542,6 +561,14 @@ class Checker:
                 for n, g in zip(names, got, strict=True):
                     res[n] = torch.zeros_like(leaves[names.index(n)]) if g is None else g
         return res
+
+    def isolated(self, spec: Spec) -> Generator[Run, dict[str, Any], dict[str, Any]] | None:
+        """How the grader runs this case: None (the default) in the same process as the other
+        cases, after the notebook's cells; or a generator that yields `Run`s, each run in a
+        fresh process of its own after the notebook's cells, is sent each run's raw result
+        (status "ok") and returns the raw result to judge. A case whose answer could be told
+        from what an earlier call saw (a behaviour test, a trained model) runs this way."""
+        return None
 
     def all_mistakes(self) -> list[Mistake]:
         """The single mistakes, then every pair of combinable mistakes with disjoint options."""

@@ -1,15 +1,24 @@
-"""Grade one submitted notebook in a sandboxed child process: the grader's side.
+"""Grade one submitted notebook in confined child processes: the grader's side.
 
-The grader (this module) never imports or runs the student's code. It runs `utils.checks.child`
-in a fresh temporary folder with a copy of the notebook only, a stripped environment, limits on
-memory, CPU time and file size, and wall-clock limits of its own: for the notebook's cells, for
-each case, and for the whole submission. The child is forked by `utils.checks.zygote`, a process
-started once that has imported torch and nothing of any student, which saves the seconds of a
-fresh interpreter per child; where ``os.fork`` is missing (or `use_fork` is False) each child is
-a fresh process instead. It draws every case's inputs afresh, sends them, reads
-back raw tensors, checks their types and sizes, and judges them with the checker's reference in
-its own process. A child that hangs is killed and a new one goes on with the next case; a child
-that dies takes only its own case with it.
+The grader (this module) never imports or runs the student's code. Each child runs in a fresh
+scratch folder of its own that holds a private copy of the notebook, with a stripped environment;
+before the notebook's first line it poisons the code the assignment forbids and confines itself
+with the kernel (`utils.checks.child`, `utils.checks.kernel`): it can read only Python, its
+packages and the parts of ``utils`` the assignment allows, write only in its folder, start no
+process, run no program, open no socket, signal no other process, and raise none of its limits.
+
+Children are forked by `utils.checks.zygote`, a process started once that has imported torch and
+the student side of the checkers and nothing of any student, which saves the seconds of a fresh
+interpreter per child; where ``os.fork`` is missing (or `use_fork` is False) each child is a
+fresh process instead.
+
+The grader draws every case's inputs afresh, sends them, reads back raw tensors through a
+protocol of bounded frames (`utils.checks.protocol`), checks every message against a schema, and
+judges with the checker's reference in its own process. Time is counted in CPU seconds of the
+child, read from the kernel, with a wall-clock backstop: a slow or busy machine does not make an
+honest case fail. A child that hangs, dies, writes too much or sends a malformed message loses
+that case only (flag ``timeout``, ``crashed``, ``limits`` or ``protocol``), and a new child goes
+on with the next one.
 """
 
 from __future__ import annotations
@@ -18,44 +27,66 @@ import atexit
 import contextlib
 import json
 import os
-import re
+import random
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .core import Case, Checker, CheckResult, Spec
-from .guard import TAMPER, Assignment, Rule, static_scan
+from . import kernel
+from .core import Case, Checker, CheckResult, Run, Spec
+from .guard import Assignment, Rule, static_scan
 from .protocol import ProtocolError, Reader, write_frame
 
-CHECK_CALL = re.compile(r"\bcheck_\w+\(")
 UTILS = Path(__file__).resolve().parent.parent
 ROOT = UTILS.parent
-MAX_ELEMENTS = 2_000_000  # per returned tensor; every case's tensors are far smaller
+MAX_FLAGS = 200  # flag messages read from one notebook; more are ignored
+MAX_NOTES = 20
+MAX_NOTE = 300
+MAX_NOTEBOOK_BYTES = 20 * 2**20
+SCRATCH_BYTES = 64 * 2**20  # what a child may leave in its folder
+SCRATCH_FILES = 1000
+POLL_S = 0.1
+_ORACLE_TYPES = ("ValueError", "TypeError", "IndexError", "RuntimeError", "OverflowError")
+
+insecure = False
+"""True (``--insecure``) grades without the kernel's confinement: limits and poison only."""
 
 
 @dataclass
 class Limits:
-    """Wall-clock limits (seconds) and the memory limit (MiB) of one submission's child.
+    """Limits of one submission's children, in CPU seconds of the child (and MiB of memory).
 
     ``case_s`` is the limit of a case; a case that trains a model asks for more with its own
-    ``Case.time_s`` and gets the larger of the two. ``total_s`` bounds the whole notebook.
+    ``Case.time_s`` and gets the larger of the two. ``cells_s`` bounds running the notebook's
+    cells in each child, ``total_s`` the CPU time of all the notebook's children together. A
+    limit is counted in CPU time, which a busy machine does not inflate; a child that waits
+    instead of computing is stopped by a wall-clock backstop of ``wall_factor`` times the limit
+    plus ``wall_extra_s``.
     """
 
     case_s: float = 5.0
     cells_s: float = 30.0
-    total_s: float = 90.0
+    total_s: float = 240.0
     memory_mb: int = 4096
+    wall_factor: float = 3.0
+    wall_extra_s: float = 10.0
+
+    def wall(self, cpu_s: float) -> float:
+        """The wall-clock backstop of a limit of ``cpu_s`` CPU seconds."""
+        return self.wall_factor * cpu_s + self.wall_extra_s
 
 
 @dataclass
@@ -83,9 +114,20 @@ class SubmissionResult:
         if text not in self.flags:
             self.flags.append(text)
 
+    def note(self, text: str) -> None:
+        """Add a note once, cut to `MAX_NOTE` characters; at most `MAX_NOTES` notes."""
+        text = " ".join(str(text).split())[:MAX_NOTE]
+        if text not in self.notes and len(self.notes) < MAX_NOTES:
+            self.notes.append(text)
+
 
 def code_cells(nb: dict[str, Any]) -> list[str]:
-    """The sources of the code cells the student wrote: test cells (the checkers) left out."""
+    """The sources of the code cells to run: nbgrader's autograded test cells left out."""
+    try:
+        from .submissions import code_cells as cells
+        return cells(nb)
+    except ImportError:  # pragma: no cover (the module ships with this one)
+        pass
     out = []
     for cell in nb.get("cells", []):
         if not isinstance(cell, dict) or cell.get("cell_type") != "code":
@@ -93,44 +135,219 @@ def code_cells(nb: dict[str, Any]) -> list[str]:
         src = cell.get("source", "")
         src = "".join(src) if isinstance(src, list) else str(src)
         meta = (cell.get("metadata") or {}).get("nbgrader") or {}
-        if (meta.get("grade") and not meta.get("solution")) or CHECK_CALL.search(src):
+        if isinstance(meta, dict) and meta.get("grade") and not meta.get("solution"):
             continue
         out.append(src)
     return out
 
 
-def _reference_files(rules: list[Rule]) -> list[str]:
-    files = []
+# --------------------------------------------------------------------------------------------
+# What a child may read, and what it must poison
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of the module ``name`` (not imported), or None."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None) if spec else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _with_pyc(path: Path) -> list[Path]:
+    cache = path.parent / "__pycache__"
+    found = [path]
+    if cache.is_dir():
+        found += [p for p in cache.iterdir() if p.name.startswith(path.stem + ".")]
+    return found
+
+
+def _allow_all_but(root: Path, excluded: set[Path], full: list[str], listing: list[str]) -> None:
+    """Grant ``root`` whole (``full``) or, where something beneath it is excluded, its listing
+    and each entry but the excluded ones, recursively."""
+    if root in excluded:
+        return
+    if not any(root in p.parents for p in excluded):
+        full.append(str(root))
+        return
+    listing.append(str(root))
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            _allow_all_but(entry, excluded, full, listing)
+        elif entry not in excluded:
+            full.append(str(entry))
+
+
+_POLICIES: dict[tuple[str, ...], dict[str, list[str]]] = {}
+_POLICY_LOCK = threading.Lock()
+
+
+def _policy(rules: list[Rule]) -> dict[str, list[str]]:
+    """The Landlock policy and the poison of a child that runs under ``rules``."""
+    key = tuple(sorted(r.id for r in rules))
+    with _POLICY_LOCK:
+        if key in _POLICIES:
+            return _POLICIES[key]
+    forbidden_modules = {r.target for r in rules if r.kind == "module"}
+    excluded: set[Path] = set()
+    sources = [str(ROOT / d) + "/" for d in ("book", "tests", "scripts", ".git", "_build")]
+    # The checkers' references (never in a child's frames, so no traceback opens them).
+    for path in sorted((UTILS / "checks").glob("a[0-9]_*.py")) + [UTILS / "checks" /
+                                                                  "assignments.py"]:
+        sources += [str(p) for p in _with_pyc(path)]
     for r in rules:
-        if r.kind == "module" and r.target.startswith("utils."):
-            path = UTILS / (r.target.split(".", 1)[1].replace(".", "/") + ".py")
-            files.append(str(path))
-    return files
+        target = r.target if r.kind in ("module", "code") else ""
+        if target.startswith("utils.checks"):
+            continue  # never in the child, never readable
+        path = _module_file(target) if target else None
+        if path is not None:
+            excluded.update(_with_pyc(path))
+            if r.kind == "module" or target.startswith("utils."):
+                sources += [str(p) for p in _with_pyc(path)]
+    if any(r.kind == "builtin" for r in rules):
+        torch_dir = Path(torch.__file__).resolve().parent
+        excluded.update(torch_dir / d for d in ("_decomp", "_refs", "_prims"))
+    full: list[str] = []
+    listing: list[str] = []
+    venv = Path(sys.prefix).resolve()
+    _allow_all_but(venv, {p for p in excluded if venv in p.parents}, full, listing)
+    base = Path(sys.base_prefix).resolve()
+    if base != venv:
+        full.append(str(base))
+    # utils: the folder listed, then each allowed module of the book (utils/checks never).
+    listing += [str(UTILS), str(UTILS / "__pycache__")]
+    for path in sorted(UTILS.glob("*.py")):
+        name = "utils" if path.stem == "__init__" else f"utils.{path.stem}"
+        if name in forbidden_modules or any(name.startswith(m + ".") for m in forbidden_modules):
+            continue
+        if path in excluded:
+            continue
+        full += [str(p) for p in _with_pyc(path)]
+    full += ["/usr", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
+             "/etc/group", "/etc/nsswitch.conf", "/dev/null", "/dev/zero", "/dev/urandom",
+             "/dev/random", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
+             "/sys/devices/system/cpu"]
+    ops = [(op, r.id) for r in rules for op in r.operators]
+    python = [(r.target, r.qualname, r.id, _what(r)) for r in rules
+              if r.kind == "code" and not r.target.startswith("utils.checks")
+              and r.target not in forbidden_modules]
+    policy = {"readable": full, "listable": listing, "sources": sources,
+              "poison_ops": ops, "poison_python": python,
+              "forbidden_modules": [(r.target, r.id) for r in rules if r.kind == "module"]}
+    with _POLICY_LOCK:
+        _POLICIES[key] = policy
+    return policy
 
 
-def _readable() -> list[str]:
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(UTILS), "/proc", "/sys", "/dev",
-             "/etc", "/usr", "/lib", "/lib64", str(Path(torch.__file__).resolve().parent.parent)}
-    return sorted(roots)
+def _what(rule: Rule) -> str:
+    name = rule.qualname or rule.target
+    return f"{rule.target}.{rule.qualname}" if rule.qualname else name
 
 
-def _clean_raw(raw: Any, spec: Spec) -> dict[str, Any]:
-    """The child's raw result with every value checked: plain strings and bounded tensors."""
+# --------------------------------------------------------------------------------------------
+# The child's messages, checked against a schema
+
+
+def _str(value: Any, limit: int) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("a field that should be text")
+    return value[:limit]
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError("a field that should be an integer")
+    return value
+
+
+def _fields(msg: dict[str, Any], allowed: set[str]) -> None:
+    if not set(msg) <= allowed:
+        raise ProtocolError(f"unexpected fields {sorted(set(msg) - allowed)[:3]}")
+
+
+def clean_flag(msg: dict[str, Any]) -> tuple[str, str]:
+    """A ``flag`` message: (kind, detail)."""
+    _fields(msg, {"op", "kind", "detail"})
+    return _str(msg.get("kind"), 200), _str(msg.get("detail", ""), 300)
+
+
+def clean_ready(msg: dict[str, Any]) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
+    """A ``ready`` message: the cells' errors as text, and each target's MRO."""
+    _fields(msg, {"op", "errors", "targets"})
+    errors, targets = msg.get("errors"), msg.get("targets")
+    if not isinstance(errors, list) or len(errors) > 20 or not isinstance(targets, dict) or \
+            len(targets) > 20:
+        raise ProtocolError("a malformed ready message")
+    texts = []
+    for err in errors:
+        if not isinstance(err, dict):
+            raise ProtocolError("a malformed cell error")
+        _fields(err, {"cell", "error"})
+        texts.append(f"cell {_int(err.get('cell'))}: {_str(err.get('error'), 200)}")
+    mros: dict[str, list[tuple[str, str]]] = {}
+    for name, info in targets.items():
+        if not isinstance(info, dict):
+            raise ProtocolError("a malformed target")
+        _fields(info, {"exists", "type", "mro"})
+        mro = info.get("mro", [])
+        if not isinstance(mro, list) or len(mro) > 50:
+            raise ProtocolError("a malformed target")
+        entries = []
+        for entry in mro:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                raise ProtocolError("a malformed target")
+            entries.append((_str(entry[0], 200), _str(entry[1], 200)))
+        mros[_str(name, 100)] = entries
+    return texts, mros
+
+
+def clean_result(msg: dict[str, Any], position: int) -> dict[str, Any]:
+    """A ``result`` message: the raw result of case ``position``, every value checked."""
+    _fields(msg, {"op", "id", "raw"})
+    if _int(msg.get("id")) != position:
+        raise ProtocolError("a result for another case")
+    raw = msg.get("raw")
     if not isinstance(raw, dict):
         raise ProtocolError("a result that is not a dict")
-    status = raw.get("status")
-    message = raw.get("message", "")
-    if not isinstance(status, str) or not isinstance(message, str):
-        raise ProtocolError("a result without a status")
-    tensors = {}
-    for key, value in (raw.get("tensors") or {}).items():
-        if not (isinstance(key, str) and isinstance(value, torch.Tensor)):
-            continue
-        if value.layout != torch.strided or value.numel() > MAX_ELEMENTS or value.is_quantized:
-            continue
-        tensors[key] = value.detach().as_subclass(torch.Tensor).clone()
-    notes = [n for n in (raw.get("notes") or []) if isinstance(n, str)][:10]
-    return {"status": status[:30], "message": message[:300], "tensors": tensors, "notes": notes}
+    _fields(raw, {"status", "message", "tensors", "notes"})
+    tensors = raw.get("tensors", {})
+    notes = raw.get("notes", [])
+    if not isinstance(tensors, dict) or len(tensors) > 256 or not isinstance(notes, list) or \
+            len(notes) > 10:
+        raise ProtocolError("a malformed result")
+    clean = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ProtocolError("a result value that is not a tensor")
+        clean[_str(key, 200)] = value
+    return {"status": _str(raw.get("status"), 30), "message": _str(raw.get("message", ""), 300),
+            "tensors": clean, "notes": [_str(n, 100) for n in notes]}
+
+
+def _clean_arg(value: Any, depth: int = 0) -> Any:
+    if depth > 4:
+        raise ProtocolError("an argument nested too deeply")
+    if isinstance(value, list):
+        if len(value) > 4096:
+            raise ProtocolError("an argument too long")
+        return [_clean_arg(v, depth + 1) for v in value]
+    if isinstance(value, torch.Tensor):
+        if value.numel() > 65536:
+            raise ProtocolError("an argument too large")
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    raise ProtocolError("an argument of an unexpected type")
+
+
+# --------------------------------------------------------------------------------------------
+# The zygote and the children
 
 
 def _child_env(folder: Path) -> dict[str, str]:
@@ -280,12 +497,48 @@ def stop_zygote() -> None:
             _zygote = None
 
 
+_scratch_root: Path | None = None
+
+
+def _scratch_parent() -> Path:
+    """A private folder (mode 700) for this process's children's scratch folders."""
+    global _scratch_root
+    with _zygote_lock:
+        if _scratch_root is None or not _scratch_root.is_dir():
+            _scratch_root = Path(tempfile.mkdtemp(prefix="grade-scratch-"))
+            atexit.register(shutil.rmtree, _scratch_root, True)
+        return _scratch_root
+
+
+def safe_copy(source: Path, target: Path, limit: int = MAX_NOTEBOOK_BYTES) -> None:
+    """Copy the regular file ``source`` to ``target``; a symlink, a FIFO, a device or a file
+    larger than ``limit`` is refused (OSError) before anything is read from it."""
+    st = os.lstat(source)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{source.name} is not a regular file")
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{source.name} is not a regular file")
+        data = bytearray()
+        while len(data) <= limit:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"{source.name} is larger than {limit // 2**20} MiB")
+    target.write_bytes(bytes(data))
+
+
 class _Child:
     """One running child process and its pipes: forked by the zygote, or a fresh process."""
 
-    def __init__(self, notebook: Path, start: dict[str, Any]):
-        self.dir = Path(tempfile.mkdtemp(prefix="grade-"))
-        shutil.copy2(notebook, self.dir / notebook.name)
+    def __init__(self, notebook: bytes, name: str, start: dict[str, Any]):
+        self.dir = Path(tempfile.mkdtemp(prefix="grade-", dir=_scratch_parent()))
+        (self.dir / name).write_bytes(notebook)
         self.proc: subprocess.Popen[bytes] | None = None
         self.zygote = shared_zygote()
         spawned = None
@@ -309,24 +562,68 @@ class _Child:
             self.proc.stdin.close()
             self.proc.stdout.close()
         self.reader = Reader(read_fd)
+        self.cpu_start = self.cpu() or 0.0
         self.send(start)
 
-    def send(self, message: dict[str, Any], tensors: bool = False) -> None:
+    def cpu(self) -> float | None:
+        """The CPU seconds this child has used (None once it is gone)."""
+        return kernel.cpu_seconds(self.pid)
+
+    def scratch_over(self) -> str:
+        """"" while the scratch folder is within its limits, else what is over."""
+        total = files = 0
+        todo = [self.dir]
+        while todo:
+            folder = todo.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for e in entries:
+                files += 1
+                if files > SCRATCH_FILES:
+                    return f"more than {SCRATCH_FILES} files"
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(Path(e.path))
+                else:
+                    total += st.st_blocks * 512
+                if total > SCRATCH_BYTES:
+                    return f"more than {SCRATCH_BYTES // 2**20} MB"
+        return ""
+
+    def send(self, message: dict[str, Any]) -> None:
         try:
-            write_frame(self.write_fd, message, tensors)
+            write_frame(self.write_fd, message)
         except OSError:
             pass  # the child is gone: the next read says so
 
     def kill(self) -> None:
         if self.zygote is None or not self.zygote.kill(self.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(self.pid, signal.SIGKILL)
         for fd in (self.write_fd, self.reader.fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
         if self.proc is not None:
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Stop(Exception):
+    """A child lost its case: (hint, flag)."""
+
+    def __init__(self, hint: str, flag: str):
+        super().__init__(hint)
+        self.hint, self.flag = hint, flag
+
+
+# --------------------------------------------------------------------------------------------
+# Grading one notebook
 
 
 class Grading:
@@ -338,8 +635,8 @@ class Grading:
         self.assignment = assignment
         self.limits = limits or Limits()
         self.seed = secrets.randbits(31) if seed is None else seed
+        self.rng = random.Random(self.seed)
         self.result = SubmissionResult(assignment.name)
-        # (checker, case, spec) in order; flags per position; hints per position
         self.items: list[tuple[Checker, Case, Spec]] = []
         for j, checker in enumerate(assignment.checkers):
             for case, spec in zip(checker.cases, checker.specs(self.seed + 100 * j), strict=True):
@@ -347,164 +644,274 @@ class Grading:
         self.case_flags: list[list[str]] = [[] for _ in self.items]
         self.outcome: list[tuple[str | None, str] | None] = [None] * len(self.items)
         self.rules = {r.id: r for r in assignment.rules}
+        self.flags_read = 0
+        self.cpu_used = 0.0
+        self.data = b""
+        self.sources: list[str] = []
 
     # -- flags ------------------------------------------------------------------------------------
 
-    def _apply_rule(self, rule_id: str, position: int | None, detail: str = "") -> None:
-        """Score 0 the cases that ``rule`` voids: every case it applies to for a module (or a use
-        seen outside a case), every case of the checker whose case at ``position`` called the
-        forbidden code otherwise. The child reports each forbidden call site once, so the first
-        case that reaches it is the only one known to; the code that made it runs in the other
-        cases of that checker as well."""
-        rule = self.rules.get(rule_id)
-        if rule is None:
-            return
+    def _void(self, rule: Rule, detail: str) -> None:
+        """Score 0 every case the rule covers (the same code runs in all of them)."""
         self.result.flag("reference used")
-        self.result.notes.append(f"{rule.reason}" + (f" ({detail})" if detail else ""))
-        seen_in = None if position is None else self.items[position][0]
+        self.result.note(f"{rule.reason}" + (f" ({detail})" if detail else ""))
         for i, (checker, _, _) in enumerate(self.items):
             if rule.checks and checker.name not in rule.checks:
                 continue
-            if rule.kind == "module" or seen_in is None or checker is seen_in:
-                if rule.reason not in self.case_flags[i]:
-                    self.case_flags[i].append(rule.reason)
+            if rule.reason not in self.case_flags[i]:
+                self.case_flags[i].append(rule.reason)
 
-    def _on_flag(self, msg: dict[str, Any], position: int | None, ready: bool) -> None:
-        kind, detail = str(msg.get("kind", "")), str(msg.get("detail", ""))[:200]
+    def _on_flag(self, msg: dict[str, Any]) -> None:
+        self.flags_read += 1
+        if self.flags_read > MAX_FLAGS:
+            if self.flags_read == MAX_FLAGS + 1:  # first, so that no cap on notes hides it
+                self.result.notes.insert(0, f"the notebook sent more than {MAX_FLAGS} reports; "
+                                            "the rest were not read")
+            return
+        kind, detail = clean_flag(msg)
         if kind == "blocked":
             self.result.flag("blocked")
-            note = f"the sandbox refused: {detail}"
-            if note not in self.result.notes:
-                self.result.notes.append(note)
-        elif kind == TAMPER:
-            self.result.flag("tampering")
-            reason = f"the notebook tried {detail}, which the grader does not allow"
-            for flags in self.case_flags:
-                if reason not in flags:
-                    flags.append(reason)
+            self.result.note(f"the sandbox refused: {detail}")
         elif kind == "source":
-            self.result.flag("reference used")
             reason = "the notebook tried to read the book's sources or reference code"
+            self.result.flag("reference used")
+            self.result.note(f"{reason} ({detail[:120]})")
             for flags in self.case_flags:
                 if reason not in flags:
                     flags.append(reason)
         elif kind in self.rules:
-            rule = self.rules[kind]
-            if rule.kind == "module":
-                self._apply_rule(kind, None, detail)
-            elif ready and position is not None:
-                self._apply_rule(kind, position, detail)
+            self._void(self.rules[kind], detail[:120])
 
     # -- running ------------------------------------------------------------------------------
 
-    def _start_message(self, sources: list[str]) -> dict[str, Any]:
-        lim = self.limits
+    def _start_message(self, rules: list[Rule], targets: list[str]) -> dict[str, Any]:
+        policy = _policy(rules)
         return {
-            "op": "start", "cells": sources,
-            "rules": [r.to_payload() for r in self.assignment.rules],
-            "readable": _readable(), "forbidden_files": _reference_files(self.assignment.rules),
-            "targets": sorted({c.target for c, _, _ in self.items}),
-            "limits": {"memory_mb": lim.memory_mb, "cpu_s": int(lim.total_s) + 5},
+            "op": "start", "cells": self.sources, "insecure": insecure,
+            "poison_ops": policy["poison_ops"], "poison_python": policy["poison_python"],
+            "forbidden_modules": policy["forbidden_modules"], "source_roots": policy["sources"],
+            "readable": policy["readable"], "listable": policy["listable"],
+            "targets": targets,
+            "limits": {"memory_mb": self.limits.memory_mb,
+                       "cpu_s": int(self.limits.cells_s + self.limits.total_s) + 5},
         }
 
     def run(self) -> SubmissionResult:
         """Grade the notebook; never raises because of what the notebook holds or does."""
+        if insecure:
+            self.result.flag("insecure")
         try:
-            nb = json.loads(self.notebook.read_text(encoding="utf-8"))
-            sources = code_cells(nb)
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            from .submissions import UnreadableNotebook, read_notebook
+        except ImportError:  # pragma: no cover
+            UnreadableNotebook, read_notebook = ValueError, None  # noqa: N806
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix="grade-read-"))
+            try:
+                safe_copy(self.notebook, tmp / "nb.ipynb")
+                self.data = (tmp / "nb.ipynb").read_bytes()
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if read_notebook is not None:
+                nb = read_notebook(self.notebook)
+            else:
+                nb = json.loads(self.data.decode("utf-8"))
+            self.sources = code_cells(nb)
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError,
+                UnreadableNotebook) as exc:
             self.result.flag("unreadable")
-            hint = f"the notebook could not be read ({type(exc).__name__})"
-            return self._finish(default=(hint, "unreadable"))
-        for rule_id in static_scan(sources, self.assignment.rules):
-            self._apply_rule(rule_id, None, "seen in the notebook's code")
-        deadline = time.monotonic() + self.limits.total_s
+            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            self.result.note(f"the notebook could not be read: {reason}")
+            return self._finish(default=(f"the notebook could not be read ({reason})",
+                                         "unreadable"))
+        for rule_id in static_scan(self.sources, self.assignment.rules):
+            self._void(self.rules[rule_id], "seen in the notebook's code")
+        shared = [i for i, (c, _, s) in enumerate(self.items) if c.isolated(s) is None]
+        isolated = [i for i in range(len(self.items)) if i not in shared]
         position = 0
-        while position < len(self.items):
-            if time.monotonic() >= deadline:
+        while position < len(shared) and not self._out_of_time():
+            position = self._session(shared, position)
+        for i in isolated:
+            if self._out_of_time():
                 break
-            position = self._session(sources, position, deadline)
-        return self._finish(default=("the time allowed for the whole notebook ran out before "
+            self._isolated(i)
+        return self._finish(default=("the CPU time allowed for the whole notebook ran out before "
                                      "this case", "timeout"))
 
-    def _session(self, sources: list[str], position: int, deadline: float) -> int:
-        """One child: run the cells, then cases from ``position``; return the next position."""
-        child = _Child(self.notebook, self._start_message(sources))
+    def _out_of_time(self) -> bool:
+        return self.cpu_used >= self.limits.total_s
+
+    def _rules_for(self, positions: list[int]) -> list[Rule]:
+        names = {self.items[i][0].name for i in positions}
+        return [r for r in self.assignment.rules if not r.checks or set(r.checks) & names]
+
+    def _spawn(self, positions: list[int]) -> _Child:
+        targets = sorted({self.items[i][0].target for i in positions})
+        start = self._start_message(self._rules_for(positions), targets)
+        return _Child(self.data, self.notebook.name if self.notebook.name.isprintable()
+                      else "notebook.ipynb", start)
+
+    def _wait(self, child: _Child, cpu_limit: float, what: str, position: int | None,
+              oracle: Any = None) -> dict[str, Any]:
+        """The next ``ready`` or ``result`` message of ``child``, handling flags and oracle
+        calls on the way; raises `_Stop` when the child runs out of CPU time, waits too long,
+        writes too much, dies, or sends something malformed."""
+        start_cpu = child.cpu() or 0.0
+        wall_by = time.monotonic() + self.limits.wall(cpu_limit)
+        while True:
+            try:
+                msg = child.reader.read(min(wall_by, time.monotonic() + POLL_S))
+            except TimeoutError:
+                used = (child.cpu() or start_cpu) - start_cpu
+                if used > cpu_limit:
+                    raise _Stop(f"{what} did not finish within {cpu_limit:g} s of CPU time: an "
+                                "endless loop, or far too much work?", "timeout") from None
+                if time.monotonic() >= wall_by:
+                    raise _Stop(f"{what} did not finish within {self.limits.wall(cpu_limit):g} s "
+                                "(waiting or sleeping, not computing)", "timeout") from None
+                over = child.scratch_over()
+                if over:
+                    raise _Stop(f"{what} wrote {over} in its folder, past the grader's limit",
+                                "limits") from None
+                continue
+            except EOFError:
+                if position is None:
+                    raise _Stop("the notebook ended its own process while its cells ran "
+                                "(os._exit, a signal, or memory use past the limit)",
+                                "crashed") from None
+                raise _Stop("the process running your code ended during this case (os._exit, a "
+                            "signal, or memory use past the limit)", "crashed") from None
+            except ProtocolError as exc:
+                raise _Stop(f"the process running your code sent a message the grader could not "
+                            f"read during {what} ({exc})", "protocol") from None
+            op = msg.get("op")
+            try:
+                if op == "flag":
+                    self._on_flag(msg)
+                elif op == "fatal":
+                    raise _Stop("the grader could not confine the process that runs your code "
+                                f"({str(msg.get('error'))[:200]}); tell your instructor",
+                                "sandbox")
+                elif op == "ready" and position is None:
+                    return msg
+                elif op == "result" and position is not None:
+                    return clean_result(msg, position)
+                elif op == "call" and oracle is not None:
+                    self._answer(child, msg, oracle)
+                else:
+                    raise ProtocolError(f"an unexpected message ({str(op)[:20]})")
+            except ProtocolError as exc:
+                raise _Stop(f"the process running your code sent a message the grader could not "
+                            f"read during {what} ({exc})", "protocol") from None
+
+    def _answer(self, child: _Child, msg: dict[str, Any], oracle: Any) -> None:
+        _fields(msg, {"op", "family", "k", "args"})
+        family = _str(msg.get("family"), 20)
+        k = _int(msg.get("k"))
+        args = msg.get("args")
+        if not isinstance(args, list) or len(args) > 4:
+            raise ProtocolError("malformed arguments")
+        args = [_clean_arg(a) for a in args]
         try:
-            ready_by = min(deadline, time.monotonic() + self.limits.cells_s)
-            while True:
+            value = oracle(family, k, tuple(args))
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError("the implementation returned no tensor")
+            reply: dict[str, Any] = {"op": "reply", "value": value}
+        except Exception as exc:  # noqa: BLE001 (what the planted implementation raises)
+            name = type(exc).__name__
+            reply = {"op": "raise", "type": name if name in _ORACLE_TYPES else "RuntimeError",
+                     "message": " ".join(str(exc).split())[:200]}
+        child.send(reply)
+
+    def _begin(self, child: _Child) -> None:
+        """Wait for the notebook's cells to run in ``child``."""
+        msg = self._wait(child, self.limits.cells_s, "your notebook's cells", None)
+        errors, mros = clean_ready(msg)
+        for err in errors:
+            if err not in self.result.cell_errors:
+                self.result.cell_errors.append(err)
+        self._check_targets(mros)
+
+    def _session(self, positions: list[int], start: int) -> int:
+        """One child: run the cells, then the cases ``positions[start:]``; return where the next
+        child starts."""
+        child = self._spawn(positions)
+        try:
+            try:
+                self._begin(child)
+            except _Stop as stop:
+                for i in positions[start:]:
+                    if self.outcome[i] is None:
+                        self.outcome[i] = (stop.hint, stop.flag)
+                return len(positions)
+            k = start
+            while k < len(positions):
+                i = positions[k]
+                checker, case, spec = self.items[i]
+                child.send({"op": "case", "id": i, "target": checker.target,
+                            "spec": _payload(spec)})
+                limit = case.time_limit(self.limits.case_s) or self.limits.case_s
                 try:
-                    msg = child.reader.read(ready_by)
-                except TimeoutError:
-                    self._fail_rest(position, "your notebook's cells did not finish within "
-                                    f"{self.limits.cells_s:g} s (an endless loop?)", "timeout")
-                    return len(self.items)
-                except (EOFError, ProtocolError):
-                    self._fail_rest(position, "the notebook ended its own process while its cells "
-                                    "ran (os._exit, a signal, or memory use past the limit)",
-                                    "crashed")
-                    return len(self.items)
-                if msg["op"] == "flag":
-                    self._on_flag(msg, None, False)
-                elif msg["op"] == "ready":
-                    self._on_ready(msg)
-                    break
-            while position < len(self.items):
-                checker, case, spec = self.items[position]
-                child.send({"op": "case", "id": position, "target": checker.target,
-                            "spec": spec.to_payload()}, tensors=True)
-                case_s = case.time_limit(self.limits.case_s)
-                case_by = min(deadline, time.monotonic() + case_s)
-                try:
-                    raw = self._await_result(child, position, case_by)
-                except TimeoutError:
-                    self.outcome[position] = (f"{checker.what} did not finish within "
-                                              f"{case_s:g} s: an endless loop, or far "
-                                              "too much work?", "timeout")
-                    return position + 1
-                except (EOFError, ProtocolError):
-                    self.outcome[position] = ("the process running your code ended during this "
-                                              "case (os._exit, a signal, or memory use past the "
-                                              "limit)", "crashed")
-                    return position + 1
-                self._judge(position, raw)
-                position += 1
+                    raw = self._wait(child, limit, checker.what, i)
+                except _Stop as stop:
+                    self.outcome[i] = (stop.hint, stop.flag)
+                    return k + 1
+                self._judge(i, raw)
+                k += 1
             child.send({"op": "end"})
-            return position
+            return k
         finally:
+            self.cpu_used += max(0.0, (child.cpu() or child.cpu_start) - child.cpu_start)
             child.kill()
 
-    def _await_result(self, child: _Child, position: int, deadline: float) -> dict[str, Any]:
-        while True:
-            msg = child.reader.read(deadline)
-            if msg["op"] == "flag":
-                self._on_flag(msg, position, True)
-            elif msg["op"] == "result" and msg.get("id") == position:
-                return _clean_raw(msg.get("raw"), self.items[position][2])
-            else:
-                raise ProtocolError("an unexpected frame")
+    def _run_alone(self, i: int, run: Run) -> dict[str, Any]:
+        """One `Run` of case ``i`` in a fresh child; its raw result (raises `_Stop`)."""
+        checker, case, _ = self.items[i]
+        child = self._spawn([i])
+        try:
+            self._begin(child)
+            child.send({"op": "case", "id": i, "target": checker.target,
+                        "spec": _payload(run.spec)})
+            limit = case.time_limit(self.limits.case_s) or self.limits.case_s
+            return self._wait(child, limit, checker.what, i, run.oracle)
+        finally:
+            self.cpu_used += max(0.0, (child.cpu() or child.cpu_start) - child.cpu_start)
+            child.kill()
 
-    def _on_ready(self, msg: dict[str, Any]) -> None:
-        for err in (msg.get("errors") or [])[:20]:
-            if isinstance(err, dict):
-                self.result.cell_errors.append(
-                    f"cell {str(err.get('cell'))[:5]}: {str(err.get('error'))[:200]}")
-        targets = msg.get("targets") or {}
+    def _isolated(self, i: int) -> None:
+        """Case ``i``, run by its checker's plan of fresh processes."""
+        checker, _, spec = self.items[i]
+        plan: Generator[Run, dict[str, Any], dict[str, Any]] | None = checker.isolated(spec)
+        if plan is None:
+            return
+        try:
+            run = next(plan)
+            while True:
+                if self._out_of_time():
+                    raise _Stop("the CPU time allowed for the whole notebook ran out before "
+                                "this case", "timeout")
+                raw = self._run_alone(i, run)
+                if raw["status"] != "ok":
+                    plan.close()
+                    self._judge(i, raw)
+                    return
+                run = plan.send(raw)
+        except StopIteration as done:
+            self._judge(i, done.value)
+        except _Stop as stop:
+            plan.close()
+            self.outcome[i] = (stop.hint, stop.flag)
+
+    def _check_targets(self, mros: dict[str, list[tuple[str, str]]]) -> None:
         for checker in self.assignment.checkers:
-            info = targets.get(checker.target) if isinstance(targets, dict) else None
-            mro = info.get("mro", []) if isinstance(info, dict) else []
-            for entry in mro if isinstance(mro, list) else []:
-                if not (isinstance(entry, list) and len(entry) == 2):
-                    continue
-                module, qualname = (str(e) for e in entry)
+            for module, qualname in mros.get(checker.target, []):
                 for rule in self.assignment.rules_for(checker.name):
                     if rule.kind == "code" and module == rule.target and (
-                            qualname == rule.qualname or
+                            not rule.qualname or qualname == rule.qualname or
                             qualname.startswith(rule.qualname + ".")):
-                        self._apply_rule(rule.id, None, f"{checker.target} is {qualname}")
+                        self._void(rule, f"{checker.target} is {qualname}")
                     if rule.kind == "module" and (module == rule.target or
                                                   module.startswith(rule.target + ".")):
-                        self._apply_rule(rule.id, None, f"{checker.target} is {qualname}")
+                        self._void(rule, f"{checker.target} is {qualname}")
 
     def _judge(self, position: int, raw: dict[str, Any]) -> None:
         checker, _, spec = self.items[position]
@@ -517,11 +924,6 @@ class Grading:
         except Exception as exc:  # a result the judge cannot handle is the student's loss
             hint = f"the result could not be compared ({type(exc).__name__})"
         self.outcome[position] = (hint, "")
-
-    def _fail_rest(self, position: int, hint: str, flag: str) -> None:
-        for i in range(position, len(self.items)):
-            if self.outcome[i] is None:
-                self.outcome[i] = (hint, flag)
 
     def _finish(self, default: tuple[str, str]) -> SubmissionResult:
         by_checker: dict[str, CheckResult] = {}
@@ -537,7 +939,14 @@ class Grading:
         return self.result
 
 
+def _payload(spec: Spec) -> dict[str, Any]:
+    """What the child gets of a spec: everything but the trusted side's ``config``."""
+    payload = spec.to_payload()
+    payload.pop("config", None)
+    return payload
+
+
 def grade_notebook(notebook: Path, assignment: Assignment, limits: Limits | None = None,
                    seed: int | None = None) -> SubmissionResult:
-    """Grade ``notebook`` for ``assignment`` in a sandboxed child process."""
+    """Grade ``notebook`` for ``assignment`` in confined child processes."""
     return Grading(Path(notebook), assignment, limits, seed).run()

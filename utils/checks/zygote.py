@@ -4,9 +4,10 @@ Starting a fresh Python process and importing torch takes seconds, far longer th
 notebook. The grader (`utils.checks.sandbox`) therefore starts this process once, as ``python -I
 -B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets, and asks it
 over a Unix socket (the file descriptor FD) for children. The zygote imports what a fresh child
-imports before its first instruction (torch and `utils.checks.child`, with the trusted parts of
-`utils`) and the parts of torch that every notebook imports anyway (`preload`), never any
-student code and none of the book's modules that an assignment forbids. It never sees a case: the
+imports before its first instruction (torch and `utils.checks.child`, with the student side of
+the checkers: `core` and `runners`) and the parts of torch that every notebook imports anyway
+(`preload`), never any student code, no checker's reference and none of the book's modules that
+an assignment forbids. It never sees a case: the
 grader draws the inputs in its own process and sends them straight to the child over the child's
 own pipes.
 
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import child
+from . import child, kernel
 
 MAX_MESSAGE = 65536
 
@@ -109,6 +110,7 @@ def preload() -> None:
 
 def main(fd: int) -> None:
     """Serve spawn and kill requests on the socket ``fd`` until the grader closes it."""
+    kernel.set_parent_death_signal()  # the grader gone, the zygote and its children go too
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)

@@ -1,0 +1,443 @@
+"""The hostile suite's submissions: attacks on the grader, and honest notebooks it must not fail.
+
+Each entry of `ATTACKS` is ``student: Attack``. An attack is written into its assignment's source
+notebook in place of one solution cell (or several), so that it looks like a handed-in notebook,
+and says what the grader must give it: the score ("full", "zero" or a number), a flag that must
+be in its row, and a phrase that must be in its feedback. In the sources, VICTIM, CHECKER,
+GRADES, OUTDIR and OUTSIDE stand for the paths of another student's notebook, the grader's own
+checker code, the grades.csv being written, the output folder and a file outside everything.
+
+The four kinds, as the issue names them: escapes (E), one submission stopping the class (S),
+full marks for work not done (F), zero for honest work (Z).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+A1_RIGHT = '''
+def scaled_dot_product_attention(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        weights = torch.softmax(scores, dim=-1) * mask
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+'''
+
+
+def _a1_with(prelude: str, body: str = "") -> str:
+    """A right attention function that first runs ``body`` (when given) on every call."""
+    fn = A1_RIGHT if not body else A1_RIGHT.replace(
+        "    scores = q @ k", body.rstrip() + "\n    scores = q @ k", 1)
+    return prelude + "\n" + fn
+
+
+# torch's attention, in code that no text search can see
+_HIDDEN = base64.b64encode(b"""
+def scaled_dot_product_attention(q, k, v, mask=None):
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), w
+""")
+
+
+@dataclass
+class Attack:
+    """One submission: its assignment, the cells it replaces, and what the grader must give."""
+
+    kind: str  # E, S, F or Z
+    assignment: str
+    cells: dict[int, str]
+    score: str | float | None  # "full", "zero", the exact points, or None (see columns)
+    flag: str | None = None  # must be among the row's flags ("" = no flag at all)
+    phrase: str = ""  # must be in the feedback
+    columns: dict[str, float] = field(default_factory=dict)  # exact points of some cases
+    file_name: str = ""  # the notebook's file name ("" = <assignment>.ipynb)
+    nbformat3: bool = False
+
+
+ATTACKS: dict[str, Attack] = {
+    # ---- E: escapes ----------------------------------------------------------------------
+    "e_fork": Attack("E", "a1_attention", {3: _a1_with('''
+import os, time
+try:
+    if os.fork() == 0:  # a child that would outlive the grader and rewrite a grade
+        time.sleep(3)
+        open(GRADES, "a").write("victim,a1_attention,10\\n")
+        os._exit(0)
+except OSError:
+    pass
+''')}, "full", "blocked"),
+    "e_ctypes_fork": Attack("E", "a1_attention", {3: _a1_with('''
+import ctypes
+try:
+    libc = ctypes.CDLL(None)
+    pid = libc.syscall(57)  # fork(2) by number, below Python's audit events
+    if pid == 0:
+        libc.syscall(60, 0)
+except Exception:
+    pass
+''')}, "full", "blocked"),
+    "e_posix_spawn": Attack("E", "a1_attention", {3: _a1_with('''
+import os, subprocess
+for attempt in (lambda: os.posix_spawn("/bin/sh", ["sh", "-c", "echo x > " + OUTSIDE], {}),
+                lambda: subprocess.Popen(["/bin/sh", "-c", "sleep 30"]),
+                lambda: os.system("touch " + OUTSIDE)):
+    try:
+        attempt()
+    except Exception:
+        pass
+''')}, "full", "blocked"),
+    "e_kill_grader": Attack("E", "a1_attention", {3: _a1_with('''
+import os, signal
+for target in (os.getppid(), -1, 0, 1):
+    try:
+        os.kill(target, signal.SIGKILL)
+    except OSError:
+        pass
+''')}, "full"),
+    "e_writes_victim": Attack("E", "a1_attention", {3: _a1_with('''
+import torch
+for path in (VICTIM, CHECKER, GRADES, OUTSIDE, OUTDIR + "/grades.csv"):
+    for attempt in (lambda: open(path, "w").write("0"), lambda: torch.save({"x": 1}, path)):
+        try:
+            attempt()
+        except Exception:
+            pass
+''')}, "full", "blocked"),
+    "e_symlink_out": Attack("E", "a1_attention", {3: _a1_with('''
+import os
+try:
+    os.symlink(VICTIM, "victim.ipynb")
+    open("victim.ipynb", "w").write("{}")
+except OSError:
+    pass
+try:
+    os.link(VICTIM, "hard.ipynb")
+except OSError:
+    pass
+''')}, "full"),
+    "e_subinterpreter": Attack("E", "a1_attention", {3: _a1_with('''
+try:
+    import _xxsubinterpreters as sub
+    sub.run_string(sub.create(), "open(" + repr(OUTSIDE) + ", 'w').write('x')")
+except Exception:
+    pass
+''')}, "full", "blocked"),
+    "e_proc": Attack("E", "a1_attention", {3: _a1_with('''
+import os
+found = []
+for probe in (lambda: os.readlink(f"/proc/{os.getppid()}/cwd"), lambda: os.listdir("/proc"),
+              lambda: open(f"/proc/{os.getppid()}/cmdline").read(),
+              lambda: os.listdir(f"/proc/{os.getppid()}/fd")):
+    try:
+        found.append(probe())
+    except OSError:
+        pass
+assert not found, found  # nothing of another process is visible: the function gets defined
+''')}, "full", "blocked"),
+    "e_limits": Attack("E", "a1_attention", {3: _a1_with('''
+import resource
+try:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+except (ValueError, OSError):
+    pass
+try:
+    big = torch.empty(20 * 2**30, dtype=torch.uint8)  # 20 GB: past the memory limit
+except (RuntimeError, MemoryError):
+    pass
+''')}, "full"),
+    "e_ctypes_memory": Attack("E", "a1_attention", {3: _a1_with('''
+import ctypes
+try:
+    ctypes.string_at(id(torch), 64)  # raw memory of the process
+except Exception:
+    pass
+import gc
+try:
+    gc.get_objects()
+except Exception:
+    pass
+''')}, "full", "blocked"),
+    # ---- S: one submission stops the class ---------------------------------------------------
+    "s_garbage_frames": Attack("S", "a1_attention", {3: _a1_with('''
+import os
+for fd in range(3, 40):
+    try:
+        os.write(fd, b"\\xff" * 64)
+    except OSError:
+        pass
+''')}, "zero", "protocol"),
+    "s_deep_message": Attack("S", "a1_attention", {3: _a1_with('''
+import os, struct
+body = ('{"body":{"op":"result","id":0,"raw":' + "[" * 5000 + "]" * 5000
+        + '},"tensors":[]}').encode()
+payload = struct.pack(">I", len(body)) + body
+frame = struct.pack(">I", len(payload)) + payload
+for fd in range(3, 40):
+    try:
+        os.write(fd, frame)
+    except OSError:
+        pass
+''')}, "zero", "protocol"),
+    "s_huge_frame": Attack("S", "a1_attention", {3: _a1_with('''
+import os, struct
+for fd in range(3, 40):
+    try:
+        os.write(fd, struct.pack(">I", 2**31) + b"x" * 1000)
+    except OSError:
+        pass
+''')}, "zero", "protocol"),
+    "s_bad_result": Attack("S", "a1_attention", {3: _a1_with("", '''
+    import os, struct
+    body = b'{"body":{"op":"result","id":"zero","raw":{"status":1}},"tensors":[]}'
+    payload = struct.pack(">I", len(body)) + body
+    for fd in range(3, 40):
+        try:
+            os.write(fd, struct.pack(">I", len(payload)) + payload)
+        except OSError:
+            pass
+''')}, "zero", "protocol"),
+    "s_flag_flood": Attack("S", "a1_attention", {3: _a1_with('''
+import os, stat, struct
+pipes = []
+for fd in range(3, 40):
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            pipes.append(fd)
+    except OSError:
+        pass
+for i in range(20000):
+    body = ('{"body":{"op":"flag","kind":"blocked","detail":"' + "x" * 250 + str(i)
+            + '"},"tensors":[]}').encode()
+    payload = struct.pack(">I", len(body)) + body
+    for fd in pipes:
+        try:
+            os.write(fd, struct.pack(">I", len(payload)) + payload)
+        except OSError:
+            pass
+''')}, "full", "blocked", "reports; the rest were not read"),
+    "s_print_flood": Attack("S", "a1_attention", {3: _a1_with('''
+line = "x" * 1000
+for _ in range(100_000):  # 100 MB of prints, past the file-size limit
+    try:
+        print(line)
+    except OSError:
+        break
+''')}, "full"),
+    "s_disk_flood": Attack("S", "a1_attention", {3: _a1_with("", '''
+    for i in range(200):
+        try:
+            with open(f"junk{i}.bin", "wb") as f:
+                f.write(b"x" * 2**20 * 4)
+        except OSError:
+            break
+''')}, "zero", "limits", "in its folder"),
+    "s_sleeps": Attack("S", "a1_attention", {3: _a1_with("", '''
+    import time
+    time.sleep(3600)
+''')}, "zero", "timeout", "waiting or sleeping"),
+    "s_spins": Attack("S", "a1_attention", {3: _a1_with("", '''
+    while True:
+        pass
+''')}, "zero", "timeout", "CPU time"),
+    "s_exit_in_case": Attack("S", "a1_attention", {3: _a1_with("", '''
+    import os
+    os._exit(3)
+''')}, "zero", "crashed"),
+    # ---- F: full marks for work not done ---------------------------------------------------
+    "f_partial": Attack("F", "a1_attention", {3: '''
+import functools
+_sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=0.0)
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return _sdpa(q, k, v, attn_mask=mask), w
+'''}, "zero", "reference used", "F.scaled_dot_product_attention"),
+    "f_getattr": Attack("F", "a1_attention", {3: '''
+def scaled_dot_product_attention(q, k, v, mask=None):
+    fn = getattr(torch.nn.functional, "scaled_dot_" + "product_attention")
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return fn(q, k, v, attn_mask=mask), w
+'''}, "zero", "reference used"),
+    "f_exec": Attack("F", "a1_attention", {3: f'''
+import base64
+exec(base64.b64decode({_HIDDEN!r}).decode())
+'''}, "zero", "reference used"),
+    "f_aten": Attack("F", "a1_attention", {3: '''
+def scaled_dot_product_attention(q, k, v, mask=None):
+    op = torch._C._jit_get_operation("aten::_scaled_dot_product_flash_attention_for_cpu")[0]
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return op(q, k, v)[0], w
+'''}, "zero", "reference used"),
+    "f_decomposition": Attack("F", "a1_attention", {3: '''
+from torch._decomp import decomposition_table
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    for op, fn in decomposition_table.items():
+        if "scaled_dot_product" in str(op):
+            w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+            return fn(q, k, v)[0], w
+    raise RuntimeError("no decomposition")
+'''}, "zero", "reference used"),
+    "f_unpoison": Attack("F", "a1_attention", {3: '''
+import weakref
+for fin in list(getattr(weakref.finalize, "_registry", {})):
+    try:
+        fin()  # run every finalizer: torch's libraries would take their kernels back
+    except Exception:
+        pass
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), w
+'''}, "zero", "reference used"),
+    "f_reads_reference": Attack("F", "a1_attention", {3: '''
+import json
+src = ""
+for path in (UTILS + "/attention.py", CHECKER, BOOK + "/01_attention.ipynb"):
+    try:
+        src += open(path).read()
+    except OSError:
+        pass
+exec(src)
+'''}, "zero", "reference used", "reference code"),
+    "f_patches_runner": Attack("F", "a1_attention", {3: '''
+import sys
+core = sys.modules["utils.checks.core"]
+def fake(obj, spec, timeout=None):  # claims outputs equal to... whatever it can compute
+    q = spec.tensors["q"]
+    return {"status": "ok", "message": "", "notes": [],
+            "tensors": {"out:output": torch.zeros_like(q), "out:weights": torch.zeros(1)}}
+core.guarded_exercise = fake
+sys.modules["utils.checks.child"].guarded_exercise = fake
+def scaled_dot_product_attention(q, k, v, mask=None):
+    return q, k
+'''}, "zero"),
+    "f_mask_test_inspects": Attack("F", "a3_masks", {13: '''
+import inspect, sys
+
+def test_causal_mask(causal_mask_fn):
+    # Tell the implementations apart by looking instead of testing.
+    cells = [c.cell_contents for c in (causal_mask_fn.__closure__ or ())]
+    caller = sys._getframe(1).f_locals
+    hint = repr(cells) + repr(sorted(caller)) + inspect.getsource(causal_mask_fn)
+    assert "sees_next" not in hint and "codes" not in caller
+'''}, None, columns={f"causal_mask_test.{b}": 0 for b in (
+        "sees_next", "no_diagonal", "inverted", "upper", "late_leak", "all_true", "float",
+        "additive", "lead_axis")}),
+    "f_mask_test_remembers": Attack("F", "a3_masks", {13: '''
+import os
+
+def test_causal_mask(causal_mask_fn):
+    # Remember what an earlier call saw: the first implementation seen is taken for right.
+    seen = "seen.txt"
+    first = causal_mask_fn(6).tolist()
+    if os.path.exists(seen):
+        assert open(seen).read() == repr(first)
+    else:
+        open(seen, "w").write(repr(first))
+'''}, None, columns={f"causal_mask_test.{b}": 0 for b in (
+        "sees_next", "no_diagonal", "inverted", "upper", "late_leak", "all_true", "float",
+        "additive", "lead_axis")}),
+    "f_hand_written_model": Attack("F", "a8_train", {3: '''
+class Seq2Seq(nn.Module):
+    """Computes the reversal by hand: no learning at all."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, src, tgt, src_mask=None, tgt_mask=None):
+        b, length = tgt.shape
+        logits = torch.zeros(b, length, self.vocab_size) + 0 * self.w
+        for i in range(b):
+            real = src[i][src[i] != PAD]
+            answer = real.flip(0).tolist() + [EOS]
+            for t in range(length):
+                logits[i, t, answer[t] if t < len(answer) else PAD] = 10.0
+        return logits
+
+
+def build_model(vocab_size):
+    return Seq2Seq(vocab_size)
+''', 9: '''
+def train(model, steps, seed):
+    with torch.no_grad():
+        model.w += 1.0  # "training" changed a parameter
+    return []
+'''}, None, columns={"training.training": 0}, phrase="answers without training"),
+    "f_stub_runner": Attack("F", "a8_train", {9: '''
+import sys
+runners = sys.modules["utils.checks.runners"]
+
+def _reverse(obj, spec, x):
+    src = x["src"]
+    out = torch.full((src.shape[0], src.shape[1] + 1), PAD, dtype=torch.long)
+    for i in range(src.shape[0]):
+        real = src[i][src[i] != PAD]
+        row = real.flip(0).tolist() + [EOS]
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+def _states(obj, spec, x):
+    return {"initial.w": torch.zeros(3), "trained.w": torch.ones(3)}
+
+runners._MODES["evaluate"] = _reverse
+runners._MODES["train_only"] = _states
+runners._MODES["training"] = lambda obj, spec, x: (_reverse(obj, spec, x),
+                                                   torch.tensor([1.0, 3.0], dtype=torch.float64))
+
+def train(model, steps, seed):
+    return []
+'''}, None, columns={"training.training": 0}, phrase="answers without training"),
+    "f_forged_result": Attack("F", "a1_attention", {3: _a1_with("", '''
+    import os, struct
+    # A result of its own, written straight to the grader's pipe before the real one.
+    body = (b'{"body":{"op":"result","id":0,"raw":{"status":"ok","message":"","notes":[],'
+            b'"tensors":{}}},"tensors":[]}')
+    payload = struct.pack(">I", len(body)) + body
+    for fd in range(3, 40):
+        try:
+            os.write(fd, struct.pack(">I", len(payload)) + payload)
+        except OSError:
+            pass
+''')}, "zero"),
+    # ---- Z: zero for honest work ------------------------------------------------------------
+    "z_browser_copy": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full",
+                             file_name="a1_attention (1).ipynb"),
+    "z_jupyter_copy": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full",
+                             file_name="A1_Attention-Copy1.ipynb"),
+    "z_renamed": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full", file_name="homework.ipynb"),
+    "z_checker_in_comment": Attack("Z", "a1_attention", {3: '''
+# I ran check_scaled_dot_product_attention(scaled_dot_product_attention) below to test this.
+''' + A1_RIGHT}, "full"),
+    "z_magics": Attack("Z", "a1_attention", {3: '''
+!pip install nothing-at-all
+%matplotlib inline
+NOTE = """
+!this line is text inside a string, not a shell command
+%neither is this one
+"""
+''' + A1_RIGHT + '''
+%time scaled_dot_product_attention(torch.ones(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+'''}, "full"),
+    "z_nbformat3": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full", nbformat3=True),
+    "z_threads": Attack("Z", "a1_attention", {3: '''
+import threading
+results = []
+worker = threading.Thread(target=lambda: results.append(sum(range(1000))))
+worker.start()
+worker.join()
+''' + A1_RIGHT}, "full"),
+    "z_writes_scratch": Attack("Z", "a1_attention", {3: '''
+import tempfile
+torch.save({"x": torch.ones(3)}, "weights.pt")
+with tempfile.NamedTemporaryFile(suffix=".txt") as f:
+    f.write(b"scratch")
+''' + A1_RIGHT}, "full"),
+}

@@ -1,0 +1,284 @@
+"""The hostile suite: a class of attacks on the grader, graded in one run of the command line.
+
+Every attack of `hostile_submissions.ATTACKS` gets exactly the score and the flag it must get,
+next to an honest student whose notebook the attacks aim at. Afterwards every other file is
+byte-identical (the other students' notebooks, the grader's own code, a file outside
+everything, and grades.csv itself a few seconds after the grader exited), and no process that
+a submission could have started is left. Then the limits: a case that uses 80% of its CPU time
+passes on every one of ten runs, and one that needs twice its limit fails; and a kernel without
+Landlock or seccomp makes the grader refuse to run unless told ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from hostile_submissions import ATTACKS
+from notebooks import ROOT
+
+from utils.checks import ASSIGNMENTS, kernel
+from utils.checks.sandbox import Limits, grade_notebook
+
+SCRIPT = ROOT / "scripts" / "grade_assignments.py"
+SOURCES = ROOT / "book" / "assignments"
+GUARDED = [*sorted((ROOT / "utils").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+           *sorted(SOURCES.glob("*.ipynb"))]
+
+pytestmark = pytest.mark.skipif(not kernel.support()[0], reason="needs Landlock and seccomp")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digests(paths: list[Path]) -> dict[Path, str]:
+    return {p: _digest(p) for p in paths if p.is_file() and not p.is_symlink()}
+
+
+def _notebook(assignment: str, cells: dict[int, str],
+              places: dict[str, str]) -> nbformat.NotebookNode:
+    nb = nbformat.read(SOURCES / f"{assignment}.ipynb", as_version=4)
+    for index, source in cells.items():
+        assert "### BEGIN SOLUTION" in nb.cells[index].source, (assignment, index)
+        for name, value in places.items():
+            source = source.replace(name, repr(value))
+        nb.cells[index].source = source
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def _processes_in(folder: Path) -> list[str]:
+    """Processes whose working folder lies in ``folder``: every child works in one there."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{name}/cwd")
+        except OSError:
+            continue
+        if cwd.startswith(str(folder)):
+            found.append(f"{name}: {cwd}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hostile")
+    submitted, out, scratch = base / "submitted", base / "out", base / "tmp"
+    scratch.mkdir()
+    outside = base / "outside.txt"
+    outside.write_text("untouched\n")
+    victim = submitted / "victim" / "a1_attention.ipynb"
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes((SOURCES / "a1_attention.ipynb").read_bytes())
+    places = {"VICTIM": str(victim), "CHECKER": str(ROOT / "utils" / "checks" /
+                                                      "a1_attention.py"),
+              "GRADES": str(out / "grades.csv"), "OUTDIR": str(out), "OUTSIDE": str(outside),
+              "UTILS": str(ROOT / "utils"), "BOOK": str(ROOT / "book")}
+    for student, attack in ATTACKS.items():
+        nb = _notebook(attack.assignment, attack.cells, places)
+        folder = submitted / student
+        folder.mkdir()
+        path = folder / (attack.file_name or f"{attack.assignment}.ipynb")
+        if attack.nbformat3:
+            nbformat.write(nbformat.convert(nb, 3), path, version=3)
+        else:
+            nbformat.write(nb, path)
+    # Two notebooks for one assignment: a wrong older one and a right newer one.
+    dup = submitted / "z_duplicate"
+    dup.mkdir()
+    wrong = _notebook("a1_attention", {3: "def scaled_dot_product_attention(q, k, v, mask=None):"
+                                          "\n    return q, k\n"}, {})
+    nbformat.write(wrong, dup / "a1_attention.ipynb")
+    os.utime(dup / "a1_attention.ipynb", (time.time() - 3600, time.time() - 3600))
+    nbformat.write(_notebook("a1_attention", {}, {}), dup / "a1_attention (2).ipynb")
+    # A FIFO and a symbolic link named like notebooks: refused before anything reads them.
+    (submitted / "s_fifo").mkdir()
+    os.mkfifo(submitted / "s_fifo" / "a1_attention.ipynb")
+    (submitted / "e_symlinked").mkdir()
+    os.symlink(victim, submitted / "e_symlinked" / "a1_attention.ipynb")
+    watched = GUARDED + [victim, outside] + [p for p in submitted.rglob("*")
+                                              if p.is_file() and not p.is_symlink()]
+    before = _digests(watched)
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(SCRIPT), str(submitted), "--out", str(out),
+                          "--case-timeout", "2", "--cells-timeout", "10", "--quiet"],
+                         capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+    elapsed = time.monotonic() - start
+    assert run.returncode == 0, run.stderr[-3000:]
+    grades = _digest(out / "grades.csv")
+    left = _processes_in(scratch)
+    time.sleep(4)  # anything that escaped would act now
+    with open(out / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {"rows": {r["student"]: r for r in rows if r["assignment"]}, "all_rows": rows,
+            "out": out, "run": run, "before": before, "after": _digests(list(before)),
+            "grades": grades, "grades_later": _digest(out / "grades.csv"), "left": left,
+            "left_later": _processes_in(scratch), "scratch": scratch, "elapsed": elapsed,
+            "outside": outside, "victim": victim}
+
+
+def _feedback(hostile, student: str, assignment: str) -> str:
+    return (hostile["out"] / "feedback" / student / f"{assignment}.md").read_text()
+
+
+def test_there_are_enough_attacks_of_every_kind():
+    kinds = [a.kind for a in ATTACKS.values()]
+    assert len(kinds) >= 25
+    assert min(kinds.count(k) for k in "ESFZ") >= 5
+
+
+@pytest.mark.parametrize("student", sorted(ATTACKS))
+def test_each_attack_gets_exactly_what_it_deserves(hostile, student):
+    attack = ATTACKS[student]
+    row = hostile["rows"][student]
+    feedback = _feedback(hostile, student, attack.assignment)
+    score, top = float(row["score"]), float(row["max_score"])
+    assert row["assignment"] == attack.assignment
+    if attack.score == "full":
+        assert score == top, feedback
+    elif attack.score == "zero":
+        assert score == 0, feedback
+    elif attack.score is not None:
+        assert score == attack.score, feedback
+    if attack.flag == "":
+        assert row["flags"] == "", feedback
+    elif attack.flag:
+        assert attack.flag in row["flags"].split(";"), (row["flags"], feedback)
+    if attack.phrase:
+        assert attack.phrase in feedback, feedback
+    for column, points in attack.columns.items():
+        assert float(row[column]) == points, (column, feedback)
+    if attack.kind == "Z":
+        assert row["flags"] == "", feedback
+
+
+def test_the_victim_is_graded_and_untouched(hostile):
+    row = hostile["rows"]["victim"]
+    assert float(row["score"]) == float(row["max_score"]) == 10
+    assert row["flags"] == ""
+    assert hostile["outside"].read_text() == "untouched\n"
+
+
+def test_every_other_file_is_byte_identical(hostile):
+    changed = [str(p) for p, d in hostile["before"].items() if hostile["after"].get(p) != d]
+    assert changed == []
+
+
+def test_grades_are_not_changed_after_the_grader_exits(hostile):
+    assert hostile["grades_later"] == hostile["grades"]
+
+
+def test_no_process_of_any_submission_is_left(hostile):
+    assert hostile["left"] == [] and hostile["left_later"] == []
+    assert list(hostile["scratch"].iterdir()) == []  # every scratch folder removed too
+
+
+def test_a_fifo_or_a_link_named_like_a_notebook_is_refused_and_reported(hostile):
+    """Neither is opened for reading (a FIFO would block the grader); each gets its row."""
+    rows = hostile["all_rows"]
+    for student, reason in (("s_fifo", "a FIFO"), ("e_symlinked", "a symbolic link")):
+        mine = [r for r in rows if r["student"] == student]
+        assert len(mine) == 1 and mine[0]["score"] == "0" and mine[0]["flags"] == "unreadable"
+        assert reason in _feedback(hostile, student, "a1_attention")
+
+
+def test_one_row_per_student_and_assignment_the_newest_graded(hostile):
+    rows = [r for r in hostile["all_rows"] if r["student"] == "z_duplicate"]
+    assert len(rows) == 1
+    assert float(rows[0]["score"]) == 10 and "duplicate" in rows[0]["flags"]
+    assert "a1_attention.ipynb" in _feedback(hostile, "z_duplicate", "a1_attention")
+
+
+def test_a_flood_leaves_small_feedback(hostile):
+    for student in ATTACKS:
+        path = hostile["out"] / "feedback" / student / f"{ATTACKS[student].assignment}.md"
+        assert path.stat().st_size <= 64 * 1024, student
+
+
+# --------------------------------------------------------------------------------------------
+# CPU limits: a margin that an honest case never falls through
+
+
+def _burner(fraction: float, limit: float) -> str:
+    """A right attention function whose first case first burns ``fraction`` of ``limit`` CPU
+    seconds."""
+    return f'''
+import time
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    if tuple(q.shape) == (2, 5, 8):  # the first case only, in whichever process runs it
+        end = time.process_time() + {fraction * limit!r}
+        while time.process_time() < end:
+            pass
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        weights = torch.softmax(scores, dim=-1) * mask
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+'''
+
+
+def test_a_case_using_80_percent_of_its_cpu_time_passes_every_time(tmp_path):
+    limit = 1.0
+    path = tmp_path / "a1_attention.ipynb"
+    nbformat.write(_notebook("a1_attention", {3: _burner(0.8, limit)}, {}), path)
+    scores = []
+    for _ in range(10):
+        res = grade_notebook(path, ASSIGNMENTS["a1_attention"], Limits(case_s=limit))
+        scores.append((res.points, tuple(res.flags)))
+    assert scores == [(10.0, ())] * 10
+
+
+def test_a_case_using_twice_its_cpu_time_fails_with_a_timeout(tmp_path):
+    limit = 1.0
+    path = tmp_path / "a1_attention.ipynb"
+    nbformat.write(_notebook("a1_attention", {3: _burner(2.0, limit)}, {}), path)
+    res = grade_notebook(path, ASSIGNMENTS["a1_attention"], Limits(case_s=limit))
+    assert "timeout" in res.flags
+    failed = [c for check in res.checks for c in check.cases if not c.passed]
+    assert len(failed) == 1 and "CPU time" in failed[0].hint
+    assert res.points == 10 - failed[0].max_points  # the next child goes on with the others
+
+
+# --------------------------------------------------------------------------------------------
+# A kernel without the confinement
+
+
+def test_without_landlock_or_seccomp_the_grader_refuses_unless_insecure(tmp_path, monkeypatch,
+                                                                        capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("grade_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(kernel, "support", lambda: (False, "this kernel lacks Landlock"))
+    (tmp_path / "in" / "ann").mkdir(parents=True)
+    (tmp_path / "in" / "ann" / "a1_attention.ipynb").write_bytes(
+        (SOURCES / "a1_attention.ipynb").read_bytes())
+    assert script.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--insecure" in err and "lacks Landlock" in err
+    assert not (tmp_path / "out").exists()
+    from utils.checks import sandbox
+    monkeypatch.setattr(sandbox, "insecure", False)
+    assert script.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--quiet",
+                        "--insecure"]) == 0
+    with open(tmp_path / "out" / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["score"] == "10" and rows[0]["flags"] == "insecure"
+    assert "INSECURE" in capsys.readouterr().out

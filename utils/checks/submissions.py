@@ -1,0 +1,604 @@
+"""The handed-in notebooks: which files they are, how they are read and which assignment each is.
+
+The grader's side, fair to the honest: a notebook is found whatever the browser or Jupyter called
+its copy (``a1_attention (1).ipynb``, ``A1_Attention-Copy1.ipynb``, ``a1 attention.ipynb``), or
+whatever the student renamed it to, as long as its metadata or its nbgrader cell ids say which
+assignment it is; and every notebook that cannot be read or placed is reported, never dropped
+silently. Nothing here runs a student's code, and nothing waits on a file: a FIFO, a device, a
+socket or a symbolic link named like a notebook is refused before it is opened for reading.
+
+* `read_notebook_bytes` and `read_notebook`: a regular file of at most `MAX_NOTEBOOK_BYTES`, as
+  an nbformat 4 notebook of plain dicts (nbformat 3 converted), or `UnreadableNotebook` with a
+  reason a person can read;
+* `assignment_of`: which assignment a notebook is, and how that was decided;
+* `find_submissions`: every handed-in notebook, `Placed` (one per student and assignment) or
+  `Unplaced` (with the reason);
+* `code_cells`: the sources of the code cells to run, as Jupyter would run them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import errno
+import json
+import os
+import re
+import stat
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from IPython.core.inputtransformer2 import TransformerManager
+
+MAX_NOTEBOOK_BYTES = 20 * 2**20
+NOTEBOOK_SUFFIX = ".ipynb"
+CHUNK = 2**20
+
+# The ways a file name is how it was decided: by `assignment_of` and `find_submissions`.
+BY_METADATA = "metadata"
+BY_CELL_IDS = "cell ids"
+BY_FILE_NAME = "file name"
+BY_FOLDER_NAME = "folder name"
+
+_COPY_PREFIX = re.compile(r"^copy\s+of\s+")  # Google Drive, Colab
+_COPY_SUFFIX = re.compile(r"(?:\s*\(\d+\)|[\s_-]*copy\d*)$")  # " (1)", "-Copy1", " copy", "_copy2"
+_NUMBER = re.compile(r"a(\d+)(?:_|$)")  # "a1" in "a1_attention" or "a1"
+# Lines IPython's input transformer may change (escapes, prompts, help, `x = !cmd`).
+_IPYTHON_SYNTAX = re.compile(
+    r"(?m)^[ \t]*(?:[%!?,;/]|>>>|\.\.\.|In \[)|\?[ \t]*$|=[ \t]*[%!]")
+TRANSFORM_BUDGET = 500_000  # characters tokenized per notebook: a few seconds at most
+_SAID_BY = {BY_METADATA: "the notebook's metadata says",
+            BY_CELL_IDS: "the nbgrader ids of its cells say"}
+
+
+class UnreadableNotebook(Exception):
+    """A handed-in file that cannot be read as a notebook; ``reason`` says why, for a person."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Placed:
+    """A notebook to grade: its student, its assignment, its file and how it was placed.
+
+    ``how`` is one of "metadata", "cell ids", "file name", "folder name". ``notes`` are for the
+    feedback: the other notebooks handed in for the same assignment, which are not graded
+    (``others``), and why a renamed notebook is graded as this assignment. ``unreadable`` is the
+    reason when the notebook cannot be read though its file or folder name says which assignment
+    it is: it is then scored 0 and never run.
+    """
+
+    student: str
+    assignment: str
+    path: Path
+    how: str
+    notes: list[str] = field(default_factory=list)
+    unreadable: str | None = None
+    others: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Unplaced:
+    """A handed-in notebook (or folder) that is not graded, and why.
+
+    ``relative`` is its path inside the student's folder ("" for the student's folder itself),
+    or inside the handed-in folder when it lies outside every student's folder (``student``
+    is then "").
+    """
+
+    student: str
+    path: Path
+    reason: str
+    relative: str = ""
+
+    def label(self) -> str:
+        """``<student>/<relative path>``, as the grader's summary prints it (on one line)."""
+        return shown("/".join(p for p in (self.student, self.relative) if p) or str(self.path))
+
+
+def shown(name: str) -> str:
+    """``name`` on one line: a newline or another control character in a file name escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _size(n: int) -> str:
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20} MB"
+    if n >= 2**10 and n % 2**10 == 0:
+        return f"{n // 2**10} KB"
+    return f"{n} bytes"
+
+
+def _not_regular(mode: int) -> str | None:
+    """Why a file of ``mode`` is refused, or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link (the grader does not follow links)"
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
+    kind = next((name for test, name in kinds if test(mode)), "a special file")
+    return f"{kind}, not a regular file"
+
+
+def _os_reason(exc: OSError) -> str:
+    if exc.errno == errno.ENOENT:
+        return "gone: the file was removed while the grader read the folder"
+    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link made after the lstat
+        return "a symbolic link (the grader does not follow links)"
+    return f"not readable ({exc.strerror or type(exc).__name__})"
+
+
+def read_notebook_bytes(path: Path | str, limit: int = MAX_NOTEBOOK_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Anything else is refused before it is opened for reading: a symbolic link, a FIFO, a socket,
+    a device or a folder (``os.lstat``). The file is then opened without following a link and
+    without blocking, and checked again on the open descriptor, so that a file swapped in between
+    is refused as well. Raises `UnreadableNotebook`.
+    """
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise UnreadableNotebook(_os_reason(exc)) from None
+    reason = _not_regular(info.st_mode)
+    if reason:
+        raise UnreadableNotebook(reason)
+    if info.st_size > limit:
+        raise UnreadableNotebook(f"larger than {_size(limit)}")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise UnreadableNotebook(_os_reason(exc)) from None
+    try:
+        reason = _not_regular(os.fstat(fd).st_mode)
+        if reason:
+            raise UnreadableNotebook(reason)
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise UnreadableNotebook(_os_reason(exc)) from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise UnreadableNotebook(f"larger than {_size(limit)}")
+    return b"".join(chunks)
+
+
+def _json(data: bytes) -> Any:
+    """The JSON value in ``data``, or `UnreadableNotebook`."""
+    if not data.strip():
+        raise UnreadableNotebook("an empty file")
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # some editors add it
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        raise UnreadableNotebook(f"not UTF-8 text (byte {data[at]:#04x} at offset {at})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UnreadableNotebook(f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except RecursionError:
+        raise UnreadableNotebook("not a notebook: its JSON is nested too deeply") from None
+
+
+def _to_v4(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` (a notebook's JSON) as an nbformat 4 notebook of plain dicts."""
+    import nbformat  # here: the grader's process imports it only when it reads notebooks
+
+    if "nbformat" not in raw and isinstance(raw.get("cells"), list):
+        raw.update(nbformat=4, nbformat_minor=raw.get("nbformat_minor", 0))  # cells: enough
+    major = raw.get("nbformat")
+    if not isinstance(major, int) or isinstance(major, bool):
+        raise UnreadableNotebook("not a notebook: it has no nbformat version")
+    if major not in nbformat.versions:
+        raise UnreadableNotebook(f"nbformat {major} cannot be converted")
+    minor = raw.get("nbformat_minor", 0)
+    if major == 4 and not isinstance(raw.get("cells"), list):
+        raise UnreadableNotebook("not a notebook: it has no list of cells")
+    if major == 4 and not isinstance(raw.get("metadata"), dict):
+        raw["metadata"] = {}  # all nbformat needs; a notebook without it is still a notebook
+    try:
+        nb = nbformat.versions[major].to_notebook_json(raw, minor=minor)
+        nb = nbformat.convert(nb, 4)
+        plain = json.loads(json.dumps(nb))
+    except UnreadableNotebook:
+        raise
+    except Exception as exc:  # whatever nbformat makes of a malformed notebook
+        detail = _detail(exc)
+        if major != 4:
+            raise UnreadableNotebook(f"nbformat {major} cannot be converted ({detail})") from None
+        raise UnreadableNotebook(f"not a notebook nbformat can read ({detail})") from None
+    return plain
+
+
+def _detail(exc: Exception) -> str:
+    """A short account of what nbformat raised."""
+    if isinstance(exc, AttributeError | KeyError) and exc.args:
+        return f"it has no {str(exc.args[0])[:60]!r}"
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return text or type(exc).__name__
+
+
+def parse_notebook(data: bytes) -> dict[str, Any]:
+    """The notebook in ``data`` (a file's bytes) as an nbformat 4 dict; `UnreadableNotebook`
+    when it is not one, with the reason."""
+    try:
+        raw = _json(data)
+        if not isinstance(raw, dict):
+            raise UnreadableNotebook(f"not a notebook: its JSON is {_json_kind(raw)}, not an "
+                                     "object")
+        nb = _to_v4(raw)
+        if not isinstance(nb.get("cells"), list):
+            raise UnreadableNotebook("not a notebook: it has no list of cells")
+        return nb
+    except UnreadableNotebook:
+        raise
+    except Exception as exc:  # RecursionError, MemoryError, anything nbformat raises
+        raise UnreadableNotebook(f"not a notebook that can be read ({type(exc).__name__})"
+                                 ) from None
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def read_notebook(path: Path | str, limit: int = MAX_NOTEBOOK_BYTES) -> dict[str, Any]:
+    """The notebook at ``path`` as an nbformat 4 dict of plain values (sources as strings).
+
+    nbformat 3 notebooks are converted. Raises `UnreadableNotebook` (and nothing else) when the
+    file is not a regular file, is too large, is not UTF-8 JSON, or is not a notebook.
+    """
+    return parse_notebook(read_notebook_bytes(path, limit))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which assignment
+
+
+def _dict(value: Any, key: str) -> dict[str, Any]:
+    found = value.get(key) if isinstance(value, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def _by_metadata(nb: dict[str, Any], names: Sequence[str]) -> str | None:
+    said = _dict(_dict(nb, "metadata"), "tested_transformer").get("assignment")
+    return said if isinstance(said, str) and said in names else None
+
+
+def _by_cell_ids(nb: dict[str, Any], names: Sequence[str]) -> str | None:
+    """The assignment most of the cells' nbgrader grade ids (``<assignment>-...``) name."""
+    votes: Counter[str] = Counter()
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    for cell in cells if isinstance(cells, list) else []:
+        grade_id = _dict(_dict(cell, "metadata"), "nbgrader").get("grade_id")
+        if isinstance(grade_id, str):
+            votes.update(n for n in names if grade_id.startswith(n + "-"))
+    top = votes.most_common(2)
+    if not top or (len(top) == 2 and top[0][1] == top[1][1]):
+        return None  # no grade id, or two assignments as often: the file name decides
+    return top[0][0]
+
+
+def clean_name(text: str) -> str:
+    """A file or folder name as the file-name rule compares it: lower case, without the copy
+    marks browsers and Jupyter add (" (1)", "-Copy1", " copy", "Copy of "), spaces and hyphens
+    as single underscores. ``"A1_Attention (1)"`` -> ``"a1_attention"``."""
+    text = _COPY_PREFIX.sub("", text.lower().strip())
+    while True:
+        shorter = _COPY_SUFFIX.sub("", text).strip()
+        if shorter == text:
+            break
+        text = shorter
+    text = re.sub(r"[\s-]+", "_", text)
+    return re.sub(r"_+", "_", text).strip("_")
+
+
+def _number(text: str) -> int | None:
+    """N of a leading "aN" token ("a1_attention", "a1"); None for "a1x" or "notes"."""
+    match = _NUMBER.match(text)
+    return int(match.group(1)) if match else None
+
+
+def name_match(text: str, names: Sequence[str]) -> str | None:
+    """The assignment a file's stem or a folder's name ``text`` names, or None.
+
+    After `clean_name`: the name itself; else the one name the text starts with; else the one
+    name whose "aN" matches the text's leading "aN" token ("a1" -> a1_attention, not "a10").
+    """
+    stem = clean_name(text)
+    if not stem:
+        return None
+    if stem in names:
+        return stem
+    starts = [n for n in names if stem.startswith(n)]
+    if len(starts) == 1:
+        return starts[0]
+    number = _number(stem)
+    if number is None:
+        return None
+    same = [n for n in names if _number(n) == number]
+    return same[0] if len(same) == 1 else None
+
+
+def _stem(filename: str) -> str:
+    return filename[: -len(NOTEBOOK_SUFFIX)] if is_notebook_name(filename) else Path(filename).stem
+
+
+def assignment_of(nb: dict[str, Any], filename: str, folder_name: str | None,
+                  names: Sequence[str]) -> tuple[str | None, str]:
+    """Which of ``names`` the notebook ``nb`` (file ``filename`` in folder ``folder_name``) is.
+
+    In order: the notebook's metadata (``metadata.tested_transformer.assignment``, which the
+    handed-out notebooks carry); the nbgrader grade ids of its cells (``<assignment>-...``);
+    its file name; its folder's name (nbgrader's ``<student>/<assignment>/`` layout). Returns
+    (the assignment, how it was decided: "metadata", "cell ids", "file name" or "folder name"),
+    or (None, the reason none was found).
+    """
+    found = _by_metadata(nb, names)
+    if found:
+        return found, BY_METADATA
+    found = _by_cell_ids(nb, names)
+    if found:
+        return found, BY_CELL_IDS
+    return by_name(filename, folder_name, names)
+
+
+def by_name(filename: str, folder_name: str | None,
+            names: Sequence[str]) -> tuple[str | None, str]:
+    """The last two rules of `assignment_of`: the file name, then the folder's name."""
+    found = name_match(_stem(filename), names)
+    if found:
+        return found, BY_FILE_NAME
+    if folder_name:
+        found = name_match(folder_name, names)
+        if found:
+            return found, BY_FOLDER_NAME
+    where = "its file name nor its folder's name" if folder_name else "nor its file name"
+    return None, (f"not one of the assignments: neither its metadata, its cells' ids {where} "
+                  "says which assignment it is")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the notebooks
+
+
+def is_notebook_name(name: str) -> bool:
+    """True for a notebook's file name (".ipynb" in any case, "A1.IPYNB")."""
+    return name.lower().endswith(NOTEBOOK_SUFFIX) and len(name) > len(NOTEBOOK_SUFFIX)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+@dataclass
+class _Candidate:
+    path: Path
+    relative: str
+    how: str
+    unreadable: str | None
+    mtime_ns: int
+    named: bool  # whether its file or folder name says the same assignment
+
+
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    with os.scandir(folder) as it:
+        return sorted((e for e in it if not _hidden(e.name)), key=lambda e: e.name)
+
+
+def _points_to_folder(entry: os.DirEntry[str]) -> bool:
+    with contextlib.suppress(OSError):
+        return entry.is_dir(follow_symlinks=True)
+    return False
+
+
+def _student_notebooks(student: str, folder: Path,
+                       unplaced: list[Unplaced]) -> list[tuple[Path, str, int]]:
+    """(path, path inside the student's folder, depth) of every notebook file of a student.
+
+    Hidden files and folders (``.ipynb_checkpoints``, ``.git``, macOS's ``._*``) are skipped;
+    folders reached through a symbolic link are not entered but reported in ``unplaced``.
+    """
+    found: list[tuple[Path, str, int]] = []
+    stack = [(folder, "", 0)]
+    while stack:
+        here, prefix, depth = stack.pop()
+        try:
+            entries = _entries(here)
+        except OSError as exc:
+            unplaced.append(Unplaced(student, here, f"a folder that cannot be listed "
+                                     f"({exc.strerror or type(exc).__name__})", prefix))
+            continue
+        for entry in entries:
+            relative = prefix + shown(entry.name)
+            if entry.is_symlink() and _points_to_folder(entry):
+                unplaced.append(Unplaced(student, Path(entry.path), "a symbolic link to a "
+                                         "folder (the grader does not follow links)", relative))
+            elif not entry.is_symlink() and entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), relative + "/", depth + 1))
+            elif is_notebook_name(entry.name):
+                found.append((Path(entry.path), relative, depth))
+    return sorted(found, key=lambda f: f[1])
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _placed(student: str, assignment: str, group: list[_Candidate]) -> Placed:
+    """One row for ``group``, a student's notebooks for one assignment: the newest readable one
+    (the largest mtime; the larger path name on a tie), the others listed in its notes."""
+    readable = [c for c in group if c.unreadable is None] or group
+    chosen = max(readable, key=lambda c: (c.mtime_ns, str(c.path)))
+    place = Placed(student, assignment, chosen.path, chosen.how, unreadable=chosen.unreadable)
+    if chosen.how in _SAID_BY and not chosen.named:  # renamed: say why it is graded as what
+        place.notes.append(f"graded as {assignment}, as {_SAID_BY[chosen.how]} (its file is "
+                           f"{chosen.relative})")
+    for other in sorted(group, key=lambda c: c.relative):
+        if other is chosen:
+            continue
+        why = ("the newest one is graded" if other.unreadable is None
+               else f"it cannot be read: {other.unreadable}")
+        place.notes.append(f"also handed in: {other.relative}, not graded: {why}")
+        place.others.append(other.path)
+    return place
+
+
+def _place_student(student: str, folder: Path, names: Sequence[str],
+                   unplaced: list[Unplaced]) -> list[Placed]:
+    groups: dict[str, list[_Candidate]] = {}
+    for path, relative, depth in _student_notebooks(student, folder, unplaced):
+        if depth > 1:
+            unplaced.append(Unplaced(student, path, "too deep in folders: the grader reads "
+                                     "<student>/*.ipynb and <student>/<folder>/*.ipynb", relative))
+            continue
+        folder_name = path.parent.name if depth == 1 else None
+        try:
+            nb, problem = read_notebook(path), None
+        except UnreadableNotebook as exc:
+            nb, problem = {}, exc.reason
+        name, how = assignment_of(nb, path.name, folder_name, names)
+        if name is None:
+            reason = f"cannot be read: {problem}" if problem else how
+            unplaced.append(Unplaced(student, path, reason, relative))
+            continue
+        named = by_name(path.name, folder_name, names)[0] == name
+        groups.setdefault(name, []).append(
+            _Candidate(path, relative, how, problem, _mtime_ns(path), named))
+    return [_placed(student, name, groups[name]) for name in names if name in groups]
+
+
+def find_submissions(folder: Path | str,
+                     names: Sequence[str]) -> tuple[list[Placed], list[Unplaced]]:
+    """Every handed-in notebook in ``folder``: (placed, unplaced).
+
+    Layouts: ``folder/<student>/*.ipynb`` and ``folder/<student>/<assignment>/*.ipynb``
+    (nbgrader's); the extension in any case. Hidden files and folders (``.ipynb_checkpoints``)
+    are skipped silently, and so is every file that is not a notebook. A student's folder, or a
+    folder in it, that is a symbolic link is not followed but reported; so is a notebook outside
+    every student's folder, or deeper than ``<student>/<folder>/``. Each notebook is read once
+    (`read_notebook`) and placed by `assignment_of`; one that cannot be read is still placed,
+    with ``unreadable`` set, when its file or folder name says which assignment it is, and is
+    reported otherwise. A student who handed in several notebooks for one assignment gets one
+    `Placed`: the newest readable one, the others named in its notes.
+    """
+    folder = Path(folder)
+    names = tuple(names)
+    placed: list[Placed] = []
+    unplaced: list[Unplaced] = []
+    for entry in _entries(folder):
+        path = Path(entry.path)
+        if entry.is_symlink() and _points_to_folder(entry):
+            unplaced.append(Unplaced(entry.name, path, "the student's folder is a symbolic link "
+                                     "(the grader does not follow links)"))
+        elif not entry.is_symlink() and entry.is_dir(follow_symlinks=False):
+            placed += _place_student(entry.name, path, names, unplaced)
+        elif is_notebook_name(entry.name):
+            unplaced.append(Unplaced("", path, "a notebook outside every student's folder "
+                                     "(the layout is <student>/<notebook>.ipynb)",
+                                     shown(entry.name)))
+    unplaced.sort(key=lambda u: (u.student, u.relative))
+    return placed, unplaced
+
+
+# ---------------------------------------------------------------------------------------------
+# The code to run
+
+
+def _source(cell: dict[str, Any]) -> str:
+    src = cell.get("source", "")
+    return "".join(str(s) for s in src) if isinstance(src, list) else str(src)
+
+
+def is_test_cell(cell: dict[str, Any]) -> bool:
+    """True for nbgrader's autograded test cell (grade true, solution false): the checker calls
+    the grader replaces. Only the metadata decides, never the cell's text."""
+    meta = _dict(_dict(cell, "metadata"), "nbgrader")
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
+class _OverBudget(RuntimeError):
+    """IPython's transformation of a notebook's cells took more work than `TRANSFORM_BUDGET`."""
+
+
+class _BoundedTransformer(TransformerManager):
+    """IPython's own transformer, with a bound on its work. It tokenizes the whole cell again
+    after each piece of IPython syntax it replaces, so that a cell of many ``!`` lines costs
+    the square of its length; every pass is charged to ``budget`` (characters tokenized)."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget = budget
+
+    def do_one_token_transform(self, lines: list[str]) -> tuple[bool, list[str]]:
+        self.budget -= sum(len(line) for line in lines)
+        if self.budget < 0:
+            raise _OverBudget("the transformation of the cells took too long")
+        return super().do_one_token_transform(lines)
+
+
+def has_ipython_syntax(source: str) -> bool:
+    """True when IPython might change ``source``: a line that starts with an escape (``%``,
+    ``!``, ``?``, ``,``, ``;``, ``/``) or a prompt (``>>>``, ``...``, ``In [1]:``), ends with
+    ``?``, assigns ``= %magic`` or ``= !command``, a leading blank line or a first line that is
+    indented. False only when IPython's transformation would leave the cell as it is."""
+    lines = source.splitlines()
+    first = next((ln for ln in lines if ln.strip()), "")
+    return (bool(lines) and not lines[0].strip()) or first[:1] in (" ", "\t") or (
+        _IPYTHON_SYNTAX.search(source) is not None)
+
+
+def ipython_source(source: str, transformer: TransformerManager | None = None) -> str:
+    """``source`` as IPython runs it: ``%magic`` and ``!command`` lines become calls of
+    ``get_ipython()``, exactly as in Jupyter (a line inside a string is left alone). Kept as it
+    is when IPython cannot transform it (the cell's own syntax error then shows when it runs),
+    or when ``transformer`` has spent its budget."""
+    if not has_ipython_syntax(source):
+        return source
+    try:
+        out = (transformer or TransformerManager()).transform_cell(source)
+    except Exception:  # IPython's transformers on text they do not expect; _OverBudget
+        return source
+    if not isinstance(out, str) or out in (source, source + "\n"):
+        return source
+    return out
+
+
+def code_cells(nb: dict[str, Any]) -> list[str]:
+    """The sources of the code cells to run, in order, as IPython would run them.
+
+    A cell is left out only when its nbgrader metadata marks it as an autograded test cell; what
+    a cell says (a comment that mentions ``check_causal_mask(``) never drops it. IPython's
+    transformation of one notebook is bounded by `TRANSFORM_BUDGET`: past it, a cell with
+    IPython syntax is kept as it is (no honest notebook comes near).
+    """
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    transformer = _BoundedTransformer(TRANSFORM_BUDGET)
+    out = []
+    for cell in cells if isinstance(cells, list) else []:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code" or is_test_cell(cell):
+            continue
+        out.append(ipython_source(_source(cell), transformer))
+    return out
