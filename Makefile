@@ -25,7 +25,7 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
-	browser-deps execute bench lint clean grade
+	browser-deps execute bench bench-grade lint clean grade
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ execute: venv
 # "--threads 1" (steadier times on a busy machine), "--out FILE.md".
 bench: venv
 	$(PY) scripts/benchmark.py $(BENCH_ARGS)
+
+# The grader on a class of 56 notebooks over all assignments (isolation on, two at a time), and
+# the cost of the kernel's confinement per child process, into _build/grading-bench/.
+bench-grade: venv $(GRADE_STAMP)
+	$(PY) scripts/grading_benchmark.py $(BENCH_GRADE_ARGS)
 
 # Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
 assignments: venv

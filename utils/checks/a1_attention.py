@@ -213,7 +213,12 @@ ASSIGNMENT = Assignment(
              ops=("_scaled_dot_product_attention_math",
                   "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")),
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                  # the fused multi-head kernels compute it too, with identity projections
+                  "_native_multi_head_attention", "_transformer_encoder_layer_fwd")),
+        Rule("code", "torch.nn.attention.flex_attention", "uses torch's flex_attention, which "
+             "computes the attention this assignment asks you to write",
+             qualname="flex_attention"),
         Rule("code", "torch.nn.modules.activation", "uses torch's nn.MultiheadAttention",
              qualname="MultiheadAttention"),
         Rule("code", "torch.nn.functional", "uses torch's multi_head_attention_forward",

@@ -562,12 +562,20 @@ class _Child:
             self.proc.stdin.close()
             self.proc.stdout.close()
         self.reader = Reader(read_fd)
-        self.cpu_start = self.cpu() or 0.0
+        self.cpu_start = self.cpu_seen = self.cpu() or 0.0
         self.send(start)
 
     def cpu(self) -> float | None:
         """The CPU seconds this child has used (None once it is gone)."""
-        return kernel.cpu_seconds(self.pid)
+        used = kernel.cpu_seconds(self.pid)
+        if used is not None:
+            self.cpu_seen = max(getattr(self, "cpu_seen", 0.0), used)
+        return used
+
+    def cpu_used(self) -> float:
+        """The CPU seconds this child used, as last seen alive."""
+        self.cpu()
+        return max(0.0, self.cpu_seen - self.cpu_start)
 
     def scratch_over(self) -> str:
         """"" while the scratch folder is within its limits, else what is over."""
@@ -646,6 +654,7 @@ class Grading:
         self.rules = {r.id: r for r in assignment.rules}
         self.flags_read = 0
         self.cpu_used = 0.0
+        self.stalled = False  # a child waited past its wall-clock backstop
         self.data = b""
         self.sources: list[str] = []
 
@@ -734,11 +743,14 @@ class Grading:
             if self._out_of_time():
                 break
             self._isolated(i)
+        if self.stalled:
+            return self._finish(default=("not run: an earlier case of this notebook waited past "
+                                         "its wall-clock limit without computing", "timeout"))
         return self._finish(default=("the CPU time allowed for the whole notebook ran out before "
                                      "this case", "timeout"))
 
     def _out_of_time(self) -> bool:
-        return self.cpu_used >= self.limits.total_s
+        return self.cpu_used >= self.limits.total_s or self.stalled
 
     def _rules_for(self, positions: list[int]) -> list[Rule]:
         names = {self.items[i][0].name for i in positions}
@@ -766,6 +778,7 @@ class Grading:
                     raise _Stop(f"{what} did not finish within {cpu_limit:g} s of CPU time: an "
                                 "endless loop, or far too much work?", "timeout") from None
                 if time.monotonic() >= wall_by:
+                    self.stalled = True  # a process that waits instead of computing: no more
                     raise _Stop(f"{what} did not finish within {self.limits.wall(cpu_limit):g} s "
                                 "(waiting or sleeping, not computing)", "timeout") from None
                 over = child.scratch_over()
@@ -783,6 +796,7 @@ class Grading:
             except ProtocolError as exc:
                 raise _Stop(f"the process running your code sent a message the grader could not "
                             f"read during {what} ({exc})", "protocol") from None
+            child.cpu()
             op = msg.get("op")
             try:
                 if op == "flag":
@@ -844,7 +858,7 @@ class Grading:
                         self.outcome[i] = (stop.hint, stop.flag)
                 return len(positions)
             k = start
-            while k < len(positions):
+            while k < len(positions) and not self.stalled:
                 i = positions[k]
                 checker, case, spec = self.items[i]
                 child.send({"op": "case", "id": i, "target": checker.target,
@@ -860,7 +874,7 @@ class Grading:
             child.send({"op": "end"})
             return k
         finally:
-            self.cpu_used += max(0.0, (child.cpu() or child.cpu_start) - child.cpu_start)
+            self.cpu_used += child.cpu_used()
             child.kill()
 
     def _run_alone(self, i: int, run: Run) -> dict[str, Any]:
@@ -874,7 +888,7 @@ class Grading:
             limit = case.time_limit(self.limits.case_s) or self.limits.case_s
             return self._wait(child, limit, checker.what, i, run.oracle)
         finally:
-            self.cpu_used += max(0.0, (child.cpu() or child.cpu_start) - child.cpu_start)
+            self.cpu_used += child.cpu_used()
             child.kill()
 
     def _isolated(self, i: int) -> None:
