@@ -463,6 +463,7 @@ def _decode(row: torch.Tensor) -> str:
 
 
 MAX_LENGTH = 512  # the largest length the planted implementations answer for in the grader
+MAX_ELEMENTS = 2**22  # the largest batch mask they build there
 
 
 def grader_oracle(codes: list[int]) -> Any:
@@ -471,11 +472,24 @@ def grader_oracle(codes: list[int]) -> Any:
     def answer(family: str, k: int, args: tuple[Any, ...]) -> Any:
         if family not in ("causal", "batch") or not 0 <= k < len(codes):
             raise RuntimeError("no such implementation")
-        sizes = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
-        sizes += [int(t.max()) for t in args if isinstance(t, torch.Tensor) and t.numel()
-                  and not t.dtype.is_floating_point and t.dtype != torch.bool]
+        sizes, rows = [], 1
+        for a in args:
+            t = a if isinstance(a, torch.Tensor) else None
+            if isinstance(a, list):
+                try:
+                    t = torch.as_tensor(a)
+                except (TypeError, ValueError, RuntimeError):
+                    t = None
+            if isinstance(a, int) and not isinstance(a, bool):
+                sizes.append(a)
+            elif t is not None and t.numel() and not t.dtype.is_floating_point and \
+                    t.dtype != torch.bool:
+                sizes.append(int(t.max()))
+                rows = max(rows, t.numel())
         if any(n > MAX_LENGTH for n in sizes):
             raise ValueError(f"lengths above {MAX_LENGTH} are not supported by the checker")
+        if family == "batch" and rows * max(sizes, default=0) ** 2 > MAX_ELEMENTS:
+            raise ValueError("a batch larger than the checker's implementations accept")
         return planted(family, codes[k])(*args)
     return answer
 

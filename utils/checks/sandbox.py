@@ -49,16 +49,17 @@ from . import kernel
 from .core import Case, Checker, CheckResult, Run, Spec
 from .guard import Assignment, Rule, static_scan
 from .protocol import ProtocolError, Reader, write_frame
+from .submissions import UnreadableNotebook, code_cells, parse_notebook, read_notebook_bytes
 
 UTILS = Path(__file__).resolve().parent.parent
 ROOT = UTILS.parent
 MAX_FLAGS = 200  # flag messages read from one notebook; more are ignored
 MAX_NOTES = 20
 MAX_NOTE = 300
-MAX_NOTEBOOK_BYTES = 20 * 2**20
 SCRATCH_BYTES = 64 * 2**20  # what a child may leave in its folder
 SCRATCH_FILES = 1000
 POLL_S = 0.1
+MAX_CALLS = 5000  # oracle calls answered in one run of a case
 _ORACLE_TYPES = ("ValueError", "TypeError", "IndexError", "RuntimeError", "OverflowError")
 
 insecure = False
@@ -119,26 +120,6 @@ class SubmissionResult:
         text = " ".join(str(text).split())[:MAX_NOTE]
         if text not in self.notes and len(self.notes) < MAX_NOTES:
             self.notes.append(text)
-
-
-def code_cells(nb: dict[str, Any]) -> list[str]:
-    """The sources of the code cells to run: nbgrader's autograded test cells left out."""
-    try:
-        from .submissions import code_cells as cells
-        return cells(nb)
-    except ImportError:  # pragma: no cover (the module ships with this one)
-        pass
-    out = []
-    for cell in nb.get("cells", []):
-        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
-            continue
-        src = cell.get("source", "")
-        src = "".join(src) if isinstance(src, list) else str(src)
-        meta = (cell.get("metadata") or {}).get("nbgrader") or {}
-        if isinstance(meta, dict) and meta.get("grade") and not meta.get("solution"):
-            continue
-        out.append(src)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,29 +491,6 @@ def _scratch_parent() -> Path:
         return _scratch_root
 
 
-def safe_copy(source: Path, target: Path, limit: int = MAX_NOTEBOOK_BYTES) -> None:
-    """Copy the regular file ``source`` to ``target``; a symlink, a FIFO, a device or a file
-    larger than ``limit`` is refused (OSError) before anything is read from it."""
-    st = os.lstat(source)
-    if not stat.S_ISREG(st.st_mode):
-        raise OSError(f"{source.name} is not a regular file")
-    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{source.name} is not a regular file")
-        data = bytearray()
-        while len(data) <= limit:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise OSError(f"{source.name} is larger than {limit // 2**20} MiB")
-    target.write_bytes(bytes(data))
-
-
 class _Child:
     """One running child process and its pipes: forked by the zygote, or a fresh process."""
 
@@ -710,27 +668,14 @@ class Grading:
         if insecure:
             self.result.flag("insecure")
         try:
-            from .submissions import UnreadableNotebook, read_notebook
-        except ImportError:  # pragma: no cover
-            UnreadableNotebook, read_notebook = ValueError, None  # noqa: N806
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix="grade-read-"))
-            try:
-                safe_copy(self.notebook, tmp / "nb.ipynb")
-                self.data = (tmp / "nb.ipynb").read_bytes()
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if read_notebook is not None:
-                nb = read_notebook(self.notebook)
-            else:
-                nb = json.loads(self.data.decode("utf-8"))
-            self.sources = code_cells(nb)
-        except (OSError, ValueError, TypeError, AttributeError, RecursionError,
-                UnreadableNotebook) as exc:
+            # Read once, refusing links, FIFOs and devices before opening them; the children
+            # get a private copy of these very bytes.
+            self.data = read_notebook_bytes(self.notebook)
+            self.sources = code_cells(parse_notebook(self.data))
+        except UnreadableNotebook as exc:
             self.result.flag("unreadable")
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self.result.note(f"the notebook could not be read: {reason}")
-            return self._finish(default=(f"the notebook could not be read ({reason})",
+            self.result.note(f"the notebook could not be read: {exc.reason}")
+            return self._finish(default=(f"the notebook could not be read ({exc.reason})",
                                          "unreadable"))
         for rule_id in static_scan(self.sources, self.assignment.rules):
             self._void(self.rules[rule_id], "seen in the notebook's code")
@@ -769,6 +714,7 @@ class Grading:
         writes too much, dies, or sends something malformed."""
         start_cpu = child.cpu() or 0.0
         wall_by = time.monotonic() + self.limits.wall(cpu_limit)
+        calls = 0
         while True:
             try:
                 msg = child.reader.read(min(wall_by, time.monotonic() + POLL_S))
@@ -810,6 +756,9 @@ class Grading:
                 elif op == "result" and position is not None:
                     return clean_result(msg, position)
                 elif op == "call" and oracle is not None:
+                    calls += 1
+                    if calls > MAX_CALLS:
+                        raise ProtocolError(f"more than {MAX_CALLS} calls of an implementation")
                     self._answer(child, msg, oracle)
                 else:
                     raise ProtocolError(f"an unexpected message ({str(op)[:20]})")
