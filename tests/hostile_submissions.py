@@ -16,17 +16,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 
-A1_RIGHT = '''
-def scaled_dot_product_attention(q, k, v, mask=None):
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-        scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-        weights = torch.softmax(scores, dim=-1) * mask
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    return weights @ v, weights
-'''
+from grading_submissions import A1_RIGHT
 
 
 def _a1_with(prelude: str, body: str = "") -> str:
@@ -34,6 +24,21 @@ def _a1_with(prelude: str, body: str = "") -> str:
     fn = A1_RIGHT if not body else A1_RIGHT.replace(
         "    scores = q @ k", body.rstrip() + "\n    scores = q @ k", 1)
     return prelude + "\n" + fn
+
+
+def _send_to_every_pipe(body: bytes) -> str:
+    """Code (indented for a function body) that writes one frame holding the JSON ``body`` to
+    every file descriptor it can, the grader's pipe among them."""
+    return f'''
+    import os, struct
+    body = {body!r}
+    payload = struct.pack(">I", len(body)) + body
+    for fd in range(3, 40):
+        try:
+            os.write(fd, struct.pack(">I", len(payload)) + payload)
+        except OSError:
+            pass
+'''
 
 
 # torch's attention, in code that no text search can see
@@ -191,16 +196,9 @@ for fd in range(3, 40):
     except OSError:
         pass
 ''')}, "zero", "protocol"),
-    "s_bad_result": Attack("S", "a1_attention", {3: _a1_with("", '''
-    import os, struct
-    body = b'{"body":{"op":"result","id":"zero","raw":{"status":1}},"tensors":[]}'
-    payload = struct.pack(">I", len(body)) + body
-    for fd in range(3, 40):
-        try:
-            os.write(fd, struct.pack(">I", len(payload)) + payload)
-        except OSError:
-            pass
-''')}, "zero", "protocol"),
+    "s_bad_result": Attack("S", "a1_attention", {3: _a1_with("", _send_to_every_pipe(
+        b'{"body":{"op":"result","id":"zero","raw":{"status":1}},"tensors":[]}'))},
+        "zero", "protocol"),
     "s_flag_flood": Attack("S", "a1_attention", {3: _a1_with('''
 import os, stat, struct
 pipes = []
@@ -395,18 +393,10 @@ runners._MODES["training"] = lambda obj, spec, x: (_reverse(obj, spec, x),
 def train(model, steps, seed):
     return []
 '''}, None, columns={"training.training": 0}, phrase="answers without training"),
-    "f_forged_result": Attack("F", "a1_attention", {3: _a1_with("", '''
-    import os, struct
     # A result of its own, written straight to the grader's pipe before the real one.
-    body = (b'{"body":{"op":"result","id":0,"raw":{"status":"ok","message":"","notes":[],'
-            b'"tensors":{}}},"tensors":[]}')
-    payload = struct.pack(">I", len(body)) + body
-    for fd in range(3, 40):
-        try:
-            os.write(fd, struct.pack(">I", len(payload)) + payload)
-        except OSError:
-            pass
-''')}, "zero"),
+    "f_forged_result": Attack("F", "a1_attention", {3: _a1_with("", _send_to_every_pipe(
+        b'{"body":{"op":"result","id":0,"raw":{"status":"ok","message":"","notes":[],'
+        b'"tensors":{}}},"tensors":[]}'))}, "zero"),
     # ---- Z: zero for honest work ------------------------------------------------------------
     "z_browser_copy": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full",
                              file_name="a1_attention (1).ipynb"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from hostile_submissions import ATTACKS
+from hostile_submissions import ATTACKS, _a1_with
 from notebooks import ROOT
 
 from utils.checks import ASSIGNMENTS, kernel
@@ -214,24 +214,13 @@ def test_a_flood_leaves_small_feedback(hostile):
 
 def _burner(fraction: float, limit: float) -> str:
     """A right attention function whose first case first burns ``fraction`` of ``limit`` CPU
-    seconds."""
-    return f'''
-import time
-
-def scaled_dot_product_attention(q, k, v, mask=None):
-    if tuple(q.shape) == (2, 5, 8):  # the first case only, in whichever process runs it
+    seconds (in whichever process runs it)."""
+    return _a1_with("import time", f'''
+    if tuple(q.shape) == (2, 5, 8):
         end = time.process_time() + {fraction * limit!r}
         while time.process_time() < end:
             pass
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-        scores = scores.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-        weights = torch.softmax(scores, dim=-1) * mask
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    return weights @ v, weights
-'''
+''')
 
 
 def test_a_case_using_80_percent_of_its_cpu_time_passes_every_time(tmp_path):
