@@ -154,8 +154,21 @@ def written_report(name: str, questions: list[dict],
         lines += [f"## {q['question']} ({_points(q['points'])} points)", "",
                   "**Model answer.** " + q["model"], ""]
         for student, given in answers:
-            lines += [f"### {student}", "", given[k] if given[k] else "*(no answer)*", ""]
+            lines += [f"### {student}", "", quoted(given[k]) if given[k] else "*(no answer)*", ""]
     return "\n".join(lines)
+
+
+MAX_ANSWER = 5000  # characters of one written answer shown; no honest answer comes near
+
+
+def quoted(answer: str) -> str:
+    """A student's answer as a Markdown block quote, cut at `MAX_ANSWER` characters, with raw
+    HTML escaped: nothing in it can pass for a heading, another student's answer or markup of the
+    report."""
+    text = answer if len(answer) <= MAX_ANSWER else (
+        answer[:MAX_ANSWER] + f"\n\n(cut here: the answer was {len(answer)} characters long)")
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return "\n".join("> " + line if line.strip() else ">" for line in text.splitlines())
 
 
 def columns(assignments: list[str]) -> list[str]:

@@ -62,6 +62,7 @@ class Attack:
     columns: dict[str, float] = field(default_factory=dict)  # exact points of some cases
     file_name: str = ""  # the notebook's file name ("" = <assignment>.ipynb)
     nbformat3: bool = False
+    replace: dict[int, tuple[str, str]] = field(default_factory=dict)  # in the book's cell
 
 
 ATTACKS: dict[str, Attack] = {
@@ -246,6 +247,44 @@ for _ in range(100_000):  # 100 MB of prints, past the file-size limit
     import os
     os._exit(3)
 ''')}, "zero", "crashed"),
+    "s_fills_its_pipe": Attack("S", "a1_attention", {3: _a1_with("", '''
+    import sys, os, time
+    f = sys._getframe()
+    while f is not None and f.f_code.co_name != "serve":
+        f = f.f_back
+    if f is not None and tuple(q.shape) == (2, 5, 8):
+        # Fill the pipe the grader writes to, answer, and never read again.
+        inp, out, msg = f.f_locals["inp"], f.f_locals["out"], f.f_locals["msg"]
+        w = os.open(f"/proc/self/fd/{inp}", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            while True:
+                os.write(w, b"\\0" * 4096)
+        except BlockingIOError:
+            pass
+        from utils.checks.protocol import write_frame
+        write_frame(out, {"op": "result", "id": msg["id"],
+                          "raw": {"status": "call", "message": "x", "tensors": {}, "notes": []}})
+        time.sleep(10**6)
+''')}, None, "protocol", "stopped reading"),
+    "s_deep_code": Attack("S", "a1_attention", {3: "x = 1" + " + 1" * 200000 + "\n" + A1_RIGHT},
+                          "zero"),
+    "s_thread_bomb": Attack("S", "a1_attention", {3: _a1_with('''
+import threading, time
+threading.stack_size(65536)
+stop = threading.Event()
+end = time.monotonic() + 5
+while time.monotonic() < end:
+    try:
+        threading.Thread(target=stop.wait, daemon=True).start()
+    except RuntimeError:
+        time.sleep(0.001)
+''')}, "zero", "limits", "threads"),
+    "s_oracle_memory": Attack("S", "a3_masks", {16: '''
+def test_batch_mask(batch_mask_fn):
+    batch_mask_fn(torch.zeros(1024, dtype=torch.long), 512)  # a 1024 x 512 x 512 mask
+'''}, None, columns={f"batch_mask_test.{b}": 0 for b in (
+        "sees_next", "inverted", "left", "queries", "or", "no_padding", "no_causal", "one_more",
+        "max_len", "no_head_axis", "float")}),
     # ---- F: full marks for work not done ---------------------------------------------------
     "f_partial": Attack("F", "a1_attention", {3: '''
 import functools
@@ -393,6 +432,67 @@ runners._MODES["training"] = lambda obj, spec, x: (_reverse(obj, spec, x),
 def train(model, steps, seed):
     return []
 '''}, None, columns={"training.training": 0}, phrase="answers without training"),
+    "f_group_norm": Attack("F", "a4_positional_encoding_layer_norm", {}, None,
+                           "reference used",
+                           columns={"layer_norm.batch": 0, "positional_encoding.small": 1},
+                           replace={6: ("""        mean = x.mean(dim=-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias""",
+                                        """        shape = x.shape
+        y = torch.nn.functional.group_norm(x.reshape(-1, 1, shape[-1]), 1, eps=self.eps)
+        return y.reshape(shape) * self.weight + self.bias""")}),
+    "f_local_mask": Attack("F", "a7_decoder_layer", {}, None, "reference used",
+                           replace={3: ("return torch.ones(length, length, dtype=torch.bool)"
+                                        ".tril()",
+                                        "from utils.masks import local_mask\n"
+                                        "        return local_mask(length, max(length, 1), "
+                                        "causal=True)")}),
+    "f_quantizable_mha": Attack("F", "a2_multi_head_attention", {3: """
+import torch.ao.nn.quantizable as _q
+import torch.ao.nn.quantized as _qd
+
+
+class MultiHeadAttention(nn.Module):
+    # Hands the work to torch's quantizable MultiheadAttention (its own forward).
+
+    def __init__(self, d_model, num_heads, bias=True, dropout=0.0):
+        super().__init__()
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(d_model, d_model, bias=bias)
+        self.w_v = nn.Linear(d_model, d_model, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        impl = _q.MultiheadAttention.__new__(_q.MultiheadAttention)
+        nn.Module.__init__(impl)  # skip nn.MultiheadAttention.__init__ (poisoned)
+        impl.embed_dim, impl.num_heads = d_model, num_heads
+        impl.dropout, impl.batch_first = dropout, False
+        impl.kdim = impl.vdim = d_model
+        impl.bias_k = impl.bias_v = None
+        impl.add_zero_attn = False
+        impl.q_scaling_product = _qd.FloatFunctional()
+        for name in ("quant_attn_output", "quant_attn_output_weights", "dequant_q", "dequant_k",
+                     "dequant_v"):
+            setattr(impl, name, nn.Identity())
+        object.__setattr__(self, "_impl", impl)  # not a submodule: no extra parameters
+
+    def forward(self, query, key, value, mask=None):
+        impl = self._impl
+        impl.linear_Q, impl.linear_K = self.w_q, self.w_k
+        impl.linear_V, impl.out_proj = self.w_v, self.w_o
+        impl.train(self.training)
+        b, l_q, _ = query.shape
+        l_k = key.shape[1]
+        attn_mask = None
+        if mask is not None:
+            m = mask
+            if m.dim() == 3:
+                m = m[:, None]
+            m = m.expand(b, impl.num_heads, l_q, l_k).reshape(b * impl.num_heads, l_q, l_k)
+            attn_mask = ~m
+        out, _ = impl(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                      attn_mask=attn_mask, need_weights=False)
+        return out.transpose(0, 1)
+"""}, "zero",
+                                "reference used"),
     # A result of its own, written straight to the grader's pipe before the real one.
     "f_forged_result": Attack("F", "a1_attention", {3: _a1_with("", _send_to_every_pipe(
         b'{"body":{"op":"result","id":0,"raw":{"status":"ok","message":"","notes":[],'

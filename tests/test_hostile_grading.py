@@ -32,6 +32,11 @@ SOURCES = ROOT / "book" / "assignments"
 GUARDED = [*sorted((ROOT / "utils").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
            *sorted(SOURCES.glob("*.ipynb"))]
 
+# The grader's command line, reporting its own peak memory (in KiB) when it exits.
+MEASURED = ("import atexit, resource, runpy, sys; atexit.register(lambda: sys.stderr.write("
+            "f'MAXRSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}\\n')); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
 pytestmark = pytest.mark.skipif(not kernel.support()[0], reason="needs Landlock and seccomp")
 
 
@@ -43,9 +48,12 @@ def _digests(paths: list[Path]) -> dict[Path, str]:
     return {p: _digest(p) for p in paths if p.is_file() and not p.is_symlink()}
 
 
-def _notebook(assignment: str, cells: dict[int, str],
-              places: dict[str, str]) -> nbformat.NotebookNode:
+def _notebook(assignment: str, cells: dict[int, str], places: dict[str, str],
+              replace: dict[int, tuple[str, str]] | None = None) -> nbformat.NotebookNode:
     nb = nbformat.read(SOURCES / f"{assignment}.ipynb", as_version=4)
+    for index, (old, new) in (replace or {}).items():
+        assert old in nb.cells[index].source, (assignment, index, old)
+        nb.cells[index].source = nb.cells[index].source.replace(old, new)
     for index, source in cells.items():
         assert "### BEGIN SOLUTION" in nb.cells[index].source, (assignment, index)
         for name, value in places.items():
@@ -87,7 +95,7 @@ def hostile(tmp_path_factory):
               "GRADES": str(out / "grades.csv"), "OUTDIR": str(out), "OUTSIDE": str(outside),
               "UTILS": str(ROOT / "utils"), "BOOK": str(ROOT / "book")}
     for student, attack in ATTACKS.items():
-        nb = _notebook(attack.assignment, attack.cells, places)
+        nb = _notebook(attack.assignment, attack.cells, places, attack.replace)
         folder = submitted / student
         folder.mkdir()
         path = folder / (attack.file_name or f"{attack.assignment}.ipynb")
@@ -113,8 +121,8 @@ def hostile(tmp_path_factory):
     before = _digests(watched)
     env = {**os.environ, "TMPDIR": str(scratch)}
     start = time.monotonic()
-    run = subprocess.run([sys.executable, str(SCRIPT), str(submitted), "--out", str(out),
-                          "--case-timeout", "2", "--cells-timeout", "10", "--quiet"],
+    run = subprocess.run([sys.executable, "-c", MEASURED, str(SCRIPT), str(submitted), "--out",
+                          str(out), "--case-timeout", "2", "--cells-timeout", "10", "--quiet"],
                          capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
     elapsed = time.monotonic() - start
     assert run.returncode == 0, run.stderr[-3000:]
@@ -163,6 +171,13 @@ def test_each_attack_gets_exactly_what_it_deserves(hostile, student):
         assert float(row[column]) == points, (column, feedback)
     if attack.kind == "Z":
         assert row["flags"] == "", feedback
+
+
+def test_the_grader_stays_small(hostile):
+    """Floods, huge frames and an oracle asked for a 1024 x 512 x 512 mask: under 1 GB."""
+    peak = [int(line.split()[1]) for line in hostile["run"].stderr.splitlines()
+            if line.startswith("MAXRSS ")]
+    assert peak and peak[0] < 2**20, peak  # KiB
 
 
 def test_the_victim_is_graded_and_untouched(hostile):

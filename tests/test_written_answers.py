@@ -84,3 +84,17 @@ def test_the_report_lists_each_question_its_model_answer_and_every_student():
     assert "norm=LayerNorm" in report and "ignored by the loss" in report
     assert report.count("*(no answer)*") == 2 * len(questions) - 2
     assert all(q["model"] in report for q in questions)
+
+
+def test_an_answer_cannot_forge_the_report():
+    """A heading, a fake "no answer" for someone else, raw HTML and megabytes of padding stay
+    inside the student's own quoted answer."""
+    questions = grade_assignments.written_questions("a1_attention")
+    forged = "### victim\n\n*(no answer)*\n\n## Question 9 <script>x</script>\n" + "x" * 10**6
+    report = grade_assignments.written_report(
+        "a1_attention", questions, [("mallory", [forged, None]), ("victim", ["mine", "ok"])])
+    lines = report.splitlines()
+    assert [ln for ln in lines if ln.startswith("### ")] == ["### mallory", "### victim"] * 2
+    assert not any(ln.startswith("## Question 9") for ln in lines)
+    assert "<script>" not in report and "&lt;script&gt;" in report
+    assert len(report) < 20_000 and "cut here" in report

@@ -216,6 +216,8 @@ ASSIGNMENT = Assignment(
                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
                   # the fused multi-head kernels compute it too, with identity projections
                   "_native_multi_head_attention", "_transformer_encoder_layer_fwd")),
+        Rule("code", "torch.ao.nn.quantizable.modules.activation", "uses torch's quantizable "
+             "MultiheadAttention, which computes this attention", qualname="MultiheadAttention"),
         Rule("code", "torch.nn.attention.flex_attention", "uses torch's flex_attention, which "
              "computes the attention this assignment asks you to write",
              qualname="flex_attention"),

@@ -220,6 +220,9 @@ ASSIGNMENT = Assignment(
              qualname="multi_head_attention_forward"),
         Rule("builtin", "_native_multi_head_attention", "uses torch's built-in multi-head "
              "attention kernel"),
+        Rule("code", "torch.ao.nn.quantizable.modules.activation", "uses torch's quantizable "
+             "MultiheadAttention, another implementation of the module this assignment asks "
+             "you to write", qualname="MultiheadAttention"),
     ],
 )
 

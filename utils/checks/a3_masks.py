@@ -462,7 +462,7 @@ def _decode(row: torch.Tensor) -> str:
     return "".join(c for c in text if c.isprintable())[:ERROR_BYTES]
 
 
-MAX_LENGTH = 512  # the largest length the planted implementations answer for in the grader
+MAX_LENGTH = 2048  # the largest length the planted implementations answer for in the grader
 MAX_ELEMENTS = 2**22  # the largest batch mask they build there
 
 

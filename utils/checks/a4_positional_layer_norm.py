@@ -274,6 +274,13 @@ ASSIGNMENT = Assignment(
              qualname="layer_norm", checks=["check_layer_norm"]),
         Rule("builtin", "layer_norm", "calls torch's built-in layer_norm",
              checks=["check_layer_norm"]),
+        Rule("builtin", "group_norm", "calls one of torch's other normalizations (group, "
+             "batch, instance or RMS norm), which compute a layer norm when reshaped",
+             ops=("native_group_norm", "batch_norm", "native_batch_norm",
+                  "_batch_norm_impl_index", "_native_batch_norm_legit",
+                  "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+                  "instance_norm", "rms_norm", "_fused_rms_norm"),
+             checks=("check_layer_norm",)),
         Rule("builtin", "native_layer_norm", "calls torch's built-in native_layer_norm",
              checks=["check_layer_norm"]),
     ],

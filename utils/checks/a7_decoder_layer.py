@@ -437,6 +437,8 @@ ASSIGNMENT = Assignment(
              qualname="_generate_square_subsequent_mask"),
         Rule("code", "utils.masks", "uses utils.masks.causal_mask, the book's version of the "
              "causal mask this assignment asks for", qualname="causal_mask"),
+        Rule("code", "utils.masks", "uses utils.masks.local_mask, which makes the causal mask "
+             "this assignment asks for", qualname="local_mask"),
     ],
 )
 

@@ -62,13 +62,40 @@ def _describe_target(obj: Any) -> dict[str, Any]:
 
 
 class _Shell:
-    """What ``get_ipython()`` returns in the grader: magics and shell commands do nothing (a
-    ``!pip install`` left in a notebook must not stop the rest of its cell)."""
+    """What ``get_ipython()`` returns in the grader. The magics that run Python code run it once
+    (``%time``, ``%timeit``, ``%%time``, ``%%capture``, ...), ``%%writefile`` writes its file in
+    the scratch folder; the others, and shell commands, do nothing (a ``!pip install`` left in a
+    notebook must not stop the rest of its cell)."""
+
+    RUNS_CODE = frozenset(("time", "timeit", "capture", "prun", "debug"))
+
+    def __init__(self, ns: dict[str, Any]):
+        self.ns = ns
+        self.user_ns = ns
+
+    def _run(self, code: str) -> None:
+        exec(compile(code, "<magic>", "exec"), self.ns)  # noqa: S102 (the submission's code)
 
     def run_line_magic(self, name: str, line: str, *args: Any, **kwargs: Any) -> None:
+        if name in self.RUNS_CODE:
+            words = line.split()
+            while words and words[0].startswith("-"):  # %timeit -n 10 -r 3 expr
+                words = words[2:] if words[0] in ("-n", "-r") else words[1:]
+            self._run(" ".join(words))
         return None
 
     def run_cell_magic(self, name: str, line: str, cell: str, *args: Any, **kwargs: Any) -> None:
+        if name in self.RUNS_CODE:
+            if name == "capture" and line.split():
+                target = line.split()[-1]
+                if target.isidentifier():
+                    self.ns[target] = None
+            self._run(cell)
+        elif name == "writefile":
+            words = line.split()
+            if words:
+                with open(words[-1], "a" if "-a" in words[:-1] else "w") as f:
+                    f.write(cell)
         return None
 
     def system(self, cmd: str, *args: Any, **kwargs: Any) -> None:
@@ -153,7 +180,6 @@ def _confine(start: dict[str, Any], out: int) -> Reporter:
     kernel.set_parent_death_signal()
     poison_python([tuple(t) for t in start["poison_python"]], reporter)
     poison_operators([tuple(t) for t in start["poison_ops"]], reporter)
-    builtins.get_ipython = lambda: _Shell()  # type: ignore[attr-defined]
     _stub_checkers()
     torch.set_num_threads(1)
     # One thread for good: a notebook's torch.set_num_threads(n) is ignored.
@@ -193,10 +219,12 @@ def serve() -> None:
         os._exit(71)
     oracle = _remote_oracle(inp, out)
     runners.set_oracle(oracle)
-    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     sys.modules["__main__"] = types.ModuleType("__main__")
-    sys.modules["__main__"].__dict__.update(ns)
-    ns = sys.modules["__main__"].__dict__
+    ns: dict[str, Any] = sys.modules["__main__"].__dict__
+    ns["__builtins__"] = builtins
+    shell = _Shell(ns)
+    builtins.get_ipython = lambda: shell  # type: ignore[attr-defined]
+    sys.path.insert(0, os.getcwd())  # as in Jupyter: a module the notebook wrote is importable
     errors = []
     for i, src in enumerate(start["cells"]):
         try:

@@ -98,8 +98,8 @@ def static_scan(sources: Sequence[str], rules: Sequence[Rule]) -> list[str]:
     for src in sources:
         try:
             tree = ast.parse(src)
-        except SyntaxError:
-            continue
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # text that Python cannot parse (without exhausting itself) imports nothing
         for module, names in _imports(tree):
             for rule in rules:
                 hit = False

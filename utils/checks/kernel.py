@@ -49,6 +49,7 @@ __all__ = [
     "descendants",
     "kill_descendants",
     "cpu_seconds",
+    "thread_count",
     "KernelError",
 ]
 
@@ -521,6 +522,12 @@ def _zombie(pid: int) -> bool:
 def _parent(pid: int) -> int:
     fields = _stat_fields(pid)
     return int(fields[1]) if len(fields) > 1 else 0
+
+
+def thread_count(pid: int) -> int | None:
+    """The threads of the process ``pid``; None when it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[17]) if len(fields) > 17 else None
 
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -48,7 +49,7 @@ import torch
 from . import kernel
 from .core import Case, Checker, CheckResult, Run, Spec
 from .guard import Assignment, Rule, static_scan
-from .protocol import ProtocolError, Reader, write_frame
+from .protocol import ProtocolError, Reader, encode
 from .submissions import UnreadableNotebook, code_cells, parse_notebook, read_notebook_bytes
 
 UTILS = Path(__file__).resolve().parent.parent
@@ -60,6 +61,8 @@ SCRATCH_BYTES = 64 * 2**20  # what a child may leave in its folder
 SCRATCH_FILES = 1000
 POLL_S = 0.1
 MAX_CALLS = 5000  # oracle calls answered in one run of a case
+MAX_THREADS = 64  # threads of one child: more is a bomb aimed at the machine's process table
+SEND_S = 5.0  # how long the grader waits for a child to take a message
 _ORACLE_TYPES = ("ValueError", "TypeError", "IndexError", "RuntimeError", "OverflowError")
 
 insecure = False
@@ -510,7 +513,7 @@ class _Child:
         if spawned is not None:
             self.pid, self.write_fd, read_fd = spawned
         else:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # OSError (no process left to start) goes to the caller
                 [sys.executable, "-I", "-B", "-m", "utils.checks.child"], cwd=self.dir,
                 env=_child_env(self.dir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, start_new_session=True)
@@ -519,9 +522,13 @@ class _Child:
             read_fd = os.dup(self.proc.stdout.fileno())
             self.proc.stdin.close()
             self.proc.stdout.close()
+        os.set_blocking(self.write_fd, False)
         self.reader = Reader(read_fd)
         self.cpu_start = self.cpu_seen = self.cpu() or 0.0
-        self.send(start)
+        try:
+            self.send(start)
+        except _Stop:
+            pass  # the next read says what happened
 
     def cpu(self) -> float | None:
         """The CPU seconds this child has used (None once it is gone)."""
@@ -561,11 +568,25 @@ class _Child:
                     return f"more than {SCRATCH_BYTES // 2**20} MB"
         return ""
 
-    def send(self, message: dict[str, Any]) -> None:
-        try:
-            write_frame(self.write_fd, message)
-        except OSError:
-            pass  # the child is gone: the next read says so
+    def send(self, message: dict[str, Any], timeout: float = SEND_S) -> None:
+        """Write one frame to the child, never blocking past ``timeout`` seconds: a child that
+        stops reading its pipe (or fills it itself) loses its case (raises `_Stop`)."""
+        data = memoryview(encode(message))
+        deadline = time.monotonic() + timeout
+        while data:
+            try:
+                n = os.write(self.write_fd, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                return  # the child is gone: the next read says so
+            data = data[n:]
+            if data:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Stop("the process running your code stopped reading what the grader "
+                                "sent it", "protocol")
+                select.select([], [self.write_fd], [], min(left, POLL_S))
 
     def kill(self) -> None:
         if self.zygote is None or not self.zygote.kill(self.pid):
@@ -628,7 +649,7 @@ class Grading:
             if rule.reason not in self.case_flags[i]:
                 self.case_flags[i].append(rule.reason)
 
-    def _on_flag(self, msg: dict[str, Any]) -> None:
+    def _on_flag(self, msg: dict[str, Any], during_cells: bool = False) -> None:
         self.flags_read += 1
         if self.flags_read > MAX_FLAGS:
             if self.flags_read == MAX_FLAGS + 1:  # first, so that no cap on notes hides it
@@ -647,7 +668,15 @@ class Grading:
                 if reason not in flags:
                     flags.append(reason)
         elif kind in self.rules:
-            self._void(self.rules[kind], detail[:120])
+            rule = self.rules[kind]
+            if during_cells and rule.kind != "module":
+                # A cell of the notebook's own (a comparison with torch, say): the call failed
+                # and can compute nothing for a case, whose inputs come later. Only a call made
+                # while a case runs voids it.
+                self.result.note(f"a cell of the notebook called {detail[:80]}, which this "
+                                 "assignment forbids; it did not run while grading")
+                return
+            self._void(rule, detail[:120])
 
     # -- running ------------------------------------------------------------------------------
 
@@ -665,6 +694,16 @@ class Grading:
 
     def run(self) -> SubmissionResult:
         """Grade the notebook; never raises because of what the notebook holds or does."""
+        try:
+            return self._run()
+        except Exception as exc:  # noqa: BLE001 (one notebook must never stop the class)
+            self.result.flag("grader error")
+            self.result.note(f"the grader failed on this notebook ({type(exc).__name__}: "
+                             f"{str(exc)[:150]}); grade it by hand or ask for a regrade")
+            return self._finish(default=("not graded: the grader failed on this notebook",
+                                         "grader error"))
+
+    def _run(self) -> SubmissionResult:
         if insecure:
             self.result.flag("insecure")
         try:
@@ -704,8 +743,14 @@ class Grading:
     def _spawn(self, positions: list[int]) -> _Child:
         targets = sorted({self.items[i][0].target for i in positions})
         start = self._start_message(self._rules_for(positions), targets)
-        return _Child(self.data, self.notebook.name if self.notebook.name.isprintable()
-                      else "notebook.ipynb", start)
+        try:
+            return _Child(self.data, self.notebook.name if self.notebook.name.isprintable()
+                          else "notebook.ipynb", start)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise _Stop(f"the grader could not start a process for your code ({why}); the "
+                        "machine was out of processes or memory: ask for a regrade",
+                        "crashed") from None
 
     def _wait(self, child: _Child, cpu_limit: float, what: str, position: int | None,
               oracle: Any = None) -> dict[str, Any]:
@@ -727,6 +772,9 @@ class Grading:
                     self.stalled = True  # a process that waits instead of computing: no more
                     raise _Stop(f"{what} did not finish within {self.limits.wall(cpu_limit):g} s "
                                 "(waiting or sleeping, not computing)", "timeout") from None
+                if (kernel.thread_count(child.pid) or 0) > MAX_THREADS:
+                    raise _Stop(f"{what} started more than {MAX_THREADS} threads, past the "
+                                "grader's limit", "limits") from None
                 over = child.scratch_over()
                 if over:
                     raise _Stop(f"{what} wrote {over} in its folder, past the grader's limit",
@@ -746,7 +794,7 @@ class Grading:
             op = msg.get("op")
             try:
                 if op == "flag":
-                    self._on_flag(msg)
+                    self._on_flag(msg, during_cells=position is None)
                 elif op == "fatal":
                     raise _Stop("the grader could not confine the process that runs your code "
                                 f"({str(msg.get('error'))[:200]}); tell your instructor",
@@ -797,7 +845,13 @@ class Grading:
     def _session(self, positions: list[int], start: int) -> int:
         """One child: run the cells, then the cases ``positions[start:]``; return where the next
         child starts."""
-        child = self._spawn(positions)
+        try:
+            child = self._spawn(positions)
+        except _Stop as stop:
+            for i in positions[start:]:
+                if self.outcome[i] is None:
+                    self.outcome[i] = (stop.hint, stop.flag)
+            return len(positions)
         try:
             try:
                 self._begin(child)
@@ -810,17 +864,18 @@ class Grading:
             while k < len(positions) and not self.stalled:
                 i = positions[k]
                 checker, case, spec = self.items[i]
-                child.send({"op": "case", "id": i, "target": checker.target,
-                            "spec": _payload(spec)})
                 limit = case.time_limit(self.limits.case_s) or self.limits.case_s
                 try:
+                    child.send({"op": "case", "id": i, "target": checker.target,
+                                "spec": _payload(spec)})
                     raw = self._wait(child, limit, checker.what, i)
                 except _Stop as stop:
                     self.outcome[i] = (stop.hint, stop.flag)
                     return k + 1
                 self._judge(i, raw)
                 k += 1
-            child.send({"op": "end"})
+            with contextlib.suppress(_Stop):
+                child.send({"op": "end"}, timeout=1.0)
             return k
         finally:
             self.cpu_used += child.cpu_used()

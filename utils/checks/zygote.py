@@ -103,9 +103,16 @@ def preload() -> None:
     Each notebook calls ``seed_everything``, whose ``torch.use_deterministic_algorithms`` imports
     ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds per child.
     It is torch's own code; the assignments' rules concern the book's modules, which stay out.
+    matplotlib, which many notebooks import, is loaded here too (see below).
     """
     with contextlib.suppress(ImportError):
         import torch._inductor.config  # noqa: F401
+    # matplotlib builds its font list on first import, with a subprocess (fc-list) that a
+    # confined child may not start: build it here once, for every child.
+    with contextlib.suppress(Exception):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
 
 
 def main(fd: int) -> None:
@@ -130,7 +137,13 @@ def main(fd: int) -> None:
                 break
             msg = json.loads(data.decode())
             if msg.get("op") == "spawn" and len(fds) == 2:
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as exc:  # no process left on the machine: say so, go on
+                    for f in fds:
+                        os.close(f)
+                    _send(sock, {"error": f"fork failed: {exc.strerror}"})
+                    continue
                 if pid == 0:
                     try:
                         _become_child(sock, fds, str(msg["dir"]), keep)
