@@ -515,6 +515,9 @@ NOTE = """
 """
 ''' + A1_RIGHT + '''
 %time scaled_dot_product_attention(torch.ones(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+ones = torch.ones(1, 2, 4)
+out = %time scaled_dot_product_attention(ones, ones, ones)
+assert out[0].shape == (1, 2, 4)
 '''}, "full"),
     "z_nbformat3": Attack("Z", "a1_attention", {3: A1_RIGHT}, "full", nbformat3=True),
     "z_threads": Attack("Z", "a1_attention", {3: '''

@@ -7,8 +7,9 @@ from the grader and, before the notebook's first line runs:
 1. moves the student's prints to a log file in its folder and keeps private copies of its pipes;
 2. imports the modules whose forbidden parts it must poison, and poisons them (`poison`):
    torch's forbidden operators through the dispatcher, forbidden Python code in place;
-3. stands in for IPython (``get_ipython()``: magics do nothing, shell commands are refused) and
-   for the checkers (``from utils.checks import check_...`` gives a function that does nothing);
+3. stands in for IPython (``get_ipython()``: the magics that run code run it once,
+   ``%%writefile`` writes its file, shell commands and the other magics do nothing) and for the
+   checkers (``from utils.checks import check_...`` gives a function that does nothing);
 4. sets its resource limits and gives up every privilege (`kernel`), confines itself with
    Landlock (read only what it needs, write only in its own folder), installs the seccomp
    filter (no process, no exec, no socket, no signal to another process), and last an audit
@@ -73,15 +74,22 @@ class _Shell:
         self.ns = ns
         self.user_ns = ns
 
-    def _run(self, code: str) -> None:
-        exec(compile(code, "<magic>", "exec"), self.ns)  # noqa: S102 (the submission's code)
+    def _run(self, code: str) -> Any:
+        """Run ``code`` in the notebook's namespace; the value of an expression, as ``x = %time
+        f()`` expects it."""
+        try:
+            expression = compile(code, "<magic>", "eval")
+        except SyntaxError:
+            exec(compile(code, "<magic>", "exec"), self.ns)  # noqa: S102 (the submission's code)
+            return None
+        return eval(expression, self.ns)  # noqa: S307 (the submission's code)
 
-    def run_line_magic(self, name: str, line: str, *args: Any, **kwargs: Any) -> None:
+    def run_line_magic(self, name: str, line: str, *args: Any, **kwargs: Any) -> Any:
         if name in self.RUNS_CODE:
             words = line.split()
             while words and words[0].startswith("-"):  # %timeit -n 10 -r 3 expr
                 words = words[2:] if words[0] in ("-n", "-r") else words[1:]
-            self._run(" ".join(words))
+            return self._run(" ".join(words))
         return None
 
     def run_cell_magic(self, name: str, line: str, cell: str, *args: Any, **kwargs: Any) -> None:
