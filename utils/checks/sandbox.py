@@ -918,6 +918,8 @@ class Grading:
         except _Stop as stop:
             plan.close()
             self.outcome[i] = (stop.hint, stop.flag)
+        except Exception as exc:  # noqa: BLE001 (results the plan cannot use lose this case)
+            self.outcome[i] = (f"the results could not be compared ({type(exc).__name__})", "")
 
     def _check_targets(self, mros: dict[str, list[tuple[str, str]]]) -> None:
         for checker in self.assignment.checkers:
