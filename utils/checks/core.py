@@ -480,18 +480,19 @@ class Case:
     """One case of a checker: an id (a CSV column), a name (printed), points, and its input.
 
     ``make(gen)`` draws the case's random values from ``gen`` and returns its `Spec`. ``time_s``
-    raises the case's wall-clock limit, in a notebook and in the grader, above the default (for a
-    case that trains a model); the grader's limit for the whole notebook still applies.
+    raises the case's time limit (wall-clock in a notebook, CPU seconds in the grader) above the
+    default (for a case that trains a model); the grader's limit for the whole notebook still
+    applies.
     """
 
     id: str
     name: str
     make: Callable[[torch.Generator], Spec]
     points: float = 1.0
-    time_s: float | None = None  # a longer wall-clock limit than the default (a case that trains)
+    time_s: float | None = None  # a longer time limit than the default (a case that trains)
 
     def time_limit(self, default: float | None) -> float | None:
-        """The wall-clock limit of this case: ``default``, or ``time_s`` when that is longer."""
+        """The time limit of this case: ``default``, or ``time_s`` when that is longer."""
         if default is None or self.time_s is None:
             return default
         return max(default, self.time_s)
