@@ -98,9 +98,12 @@ def student_version(nb: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, l
 
 
 def leaked_lines(nb: nbformat.NotebookNode, removed: list[str]) -> list[str]:
-    """The removed solution lines that still appear as a line of ``nb``."""
+    """The removed solution lines that still appear as a line of ``nb``. Lines of punctuation
+    alone (a closing bracket that formatting put on its own line) give nothing away."""
     present = {ln.strip() for cell in nb.cells for ln in cell.source.splitlines()}
-    return sorted({ln.strip() for ln in removed if ln.strip() and ln.strip() in present})
+    return sorted(
+        {ln.strip() for ln in removed if any(ch.isalnum() for ch in ln) and ln.strip() in present}
+    )
 
 
 def write_student_versions(sources: list[Path], out: Path) -> list[Path]:

@@ -16,3 +16,16 @@ def test_ruff_clean():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_notebook_code_is_formatted_to_the_column():
+    """The notebooks' code cells are formatted by `ruff format` at 88 characters
+    (book/ruff.toml): a line longer than that scrolls sideways in the book's text column."""
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run(
+        [str(ruff), "format", "--check", "--no-cache", "book"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, (
+        "run `.venv/bin/ruff format book`:\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
+    )
