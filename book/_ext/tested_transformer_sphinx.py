@@ -1,0 +1,93 @@
+"""Sphinx additions of The Tested Transformer, loaded through ``sphinx.local_extensions`` in
+_config.yml.
+
+- ``authoryear``: a pybtex style whose bibliography labels read as the citations in the text do
+  ("Vaswani et al., 2017", not "[VSP+17]"), sorted by author, year and title.
+- Inline scripts written twice into a page (sphinx-thebe's settings, sphinx-togglebutton's
+  selector: Sphinx keeps both the copy an extension registers before the builder exists and
+  the copy it adds to the builder, whose empty file name differs, None and "") are written
+  once. A second copy
+  of ``const THEBE_JS_URL = ...`` is a SyntaxError in the browser's console.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pybtex.plugin import register_plugin
+from pybtex.style.formatting.unsrt import Style as UnsrtStyle
+from pybtex.style.labels import BaseLabelStyle
+from pybtex.style.sorting.author_year_title import SortingStyle
+
+
+def _last_names(entry) -> list[str]:
+    people = entry.persons.get("author") or entry.persons.get("editor") or []
+    names = []
+    for person in people:
+        last = " ".join(person.prelast_names + person.last_names)
+        names.append(last.replace("{", "").replace("}", ""))
+    return names
+
+
+def author_year_label(entry) -> str:
+    """"Clark et al., 2019", "Ba and Kiros, 2016", "Vaswani, 2017": as the text cites it."""
+    names = _last_names(entry)
+    year = entry.fields.get("year", "n.d.")
+    if not names:
+        who = entry.fields.get("title", entry.key).split(":")[0]
+    elif len(names) == 1:
+        who = names[0]
+    elif len(names) == 2:
+        who = f"{names[0]} and {names[1]}"
+    else:
+        who = f"{names[0]} et al."
+    return f"{who}, {year}"
+
+
+class AuthorYearLabelStyle(BaseLabelStyle):
+    def format_labels(self, sorted_entries):
+        labels = [author_year_label(e) for e in sorted_entries]
+        # Two works with the same label become "..., 2019a" and "..., 2019b".
+        counts: dict[str, int] = {}
+        for label in labels:
+            counts[label] = counts.get(label, 0) + 1
+        seen: dict[str, int] = {}
+        for label in labels:
+            if counts[label] > 1:
+                seen[label] = seen.get(label, 0) + 1
+                yield label + "abcdefghijklmnopqrstuvwxyz"[seen[label] - 1]
+            else:
+                yield label
+
+
+class AuthorYearStyle(UnsrtStyle):
+    default_label_style = AuthorYearLabelStyle
+    default_sorting_style = SortingStyle
+
+
+register_plugin("pybtex.style.formatting", "authoryear", AuthorYearStyle)
+
+
+def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctree) -> None:
+    scripts = context.get("script_files")
+    if not scripts:
+        return
+    seen, kept = set(), []
+    for js in scripts:
+        attributes = getattr(js, "attributes", {}) or {}
+        body = attributes.get("body")
+        # The same script is registered once with filename None and once with "" (when an
+        # extension adds it after the builder exists): compare the two as equal.
+        key = (str(getattr(js, "filename", "") or ""), body) if body else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        kept.append(js)
+    scripts[:] = kept
+
+
+def setup(app) -> dict[str, Any]:
+    # Late (priority 900), after the extensions that add scripts to the page context.
+    app.connect("html-page-context", _one_copy_of_each_inline_script, priority=900)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
