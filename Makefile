@@ -25,7 +25,7 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
-	browser-deps execute bench bench-grade lint clean grade
+	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,8 +47,48 @@ browser-deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
+# Debian's TeX for `make pdf`, installed only when missing: XeLaTeX and the LaTeX packages that
+# Sphinx and Jupyter Book load, the FreeSerif/FreeSans/FreeMono fonts (Greek, arrows, math signs)
+# and Latin Modern Math, latexmk, xindy (sorts the index) and poppler's pdftotext, pdftoppm and
+# pdfimages (the PDF's test).
+PDF_PACKAGES := texlive-xetex texlive-latex-recommended texlive-latex-extra \
+	texlive-fonts-recommended fonts-freefont-otf lmodern latexmk xindy poppler-utils
+pdf-deps:
+	@missing=$$(for p in $(PDF_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; \
+	done); \
+	if [ -n "$$missing" ]; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "Installing Debian's $$(echo $$missing)"; \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+			$$missing >/dev/null; \
+	fi
+
+# The whole book as one PDF through LaTeX, into _build/pdf/the-tested-transformer.pdf, then its
+# test (tests/test_pdf.py: every chapter and figure there, no "??", no line past the margin).
+# Optional, not part of `make test`. Jupyter Book writes the LaTeX (_build/pdf/_build/latex) and
+# runs latexmk with XeLaTeX; any Sphinx warning, undefined reference or citation, or character
+# missing from the fonts fails it. Jupyter Book's LaTeX class loads the bbm package, which Debian
+# ships only in texlive-fonts-extra (1.4 GB); the book never uses it, so unless a real one is
+# installed a one-line stand-in is put on TEXINPUTS.
+PDF_DIR := _build/pdf
+PDF_TEX := $(PDF_DIR)/_build/latex
+pdf: venv pdf-deps
+	rm -rf $(PDF_DIR) && mkdir -p $(PDF_DIR)/texinputs
+	kpsewhich bbm.sty >/dev/null || printf '%s\n' '\ProvidesPackage{bbm}' \
+		'\RequirePackage{amssymb}\providecommand{\mathbbm}[1]{\mathbb{#1}}' \
+		> $(PDF_DIR)/texinputs/bbm.sty
+	TEXINPUTS=$(CURDIR)/$(PDF_DIR)/texinputs//: LATEXMKOPTS="-Werror -silent" \
+		LATEXOPTS="-interaction=nonstopmode -halt-on-error" \
+		$(VENV)/bin/jupyter-book build . --builder pdflatex --path-output $(PDF_DIR) \
+		-W -n --keep-going --all || { grep -s -A4 '^!' $(PDF_TEX)/book.log; exit 1; }
+	cp $(PDF_TEX)/book.pdf $(PDF_DIR)/the-tested-transformer.pdf
+	$(PY) -m pytest -q -m pdf tests/test_pdf.py
+	@echo "The PDF is $(PDF_DIR)/the-tested-transformer.pdf"
+
 unit: venv $(GRADE_STAMP)
-	$(PY) -m pytest -q -m "not book" tests
+	$(PY) -m pytest -q -m "not book and not pdf" tests
 
 notebooks: venv
 	$(NBVAL_ENV) $(PY) -m pytest -q $(NBVAL_FLAGS) book
@@ -60,7 +100,7 @@ book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
 test: venv browser-deps $(GRADE_STAMP)
-	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book" $(NBVAL_FLAGS) tests book
+	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book and not pdf" $(NBVAL_FLAGS) tests book
 	@echo "The notebooks again, on generic CPU kernels with one thread:"
 	$(GENERIC_CPU_ENV) $(PY) -m pytest -q -p no:cacheprovider $(NBVAL_FLAGS) book
 	$(PY) -m pytest -q -m book tests

@@ -375,7 +375,7 @@ def test_bad_code_never_raises(bad, capsys):
     assert isinstance(result, CheckResult)
     assert result.passed is False and result.score < 1.0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert all(ln.startswith(("[FAIL] ", "[PASS] ", "check_")) for ln in lines)
+    assert all(ln.startswith(("[FAIL] ", "[PASS] ", "check_", " " * 7)) for ln in lines)
 
 
 def test_in_place_and_missing_mask_are_explained():

@@ -446,7 +446,7 @@ def test_bad_code_never_raises(bad, capsys):
         assert result.passed is False and result.score == 0.0
         assert all(c.hint for c in result.cases)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert all(ln.startswith(("[FAIL] ", "check_")) for ln in lines)
+    assert all(ln.startswith(("[FAIL] ", "check_", " " * 7)) for ln in lines)
 
 
 def test_a_module_that_hangs_fails_in_a_notebook_too():

@@ -68,37 +68,36 @@ QUICK = [c.id for c in CHECKER.cases if c.id != "training"]
 MISTAKES = {
     "no_shift": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)",
                  "tgt_in = tgt", "step_input", "no_shift"),
-    "no_bos": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  "
-               "# shift right\n    logits = model(src, tgt_in, src != PAD, "
-               "causal_mask(tgt.shape[1]))",
+    "no_bos": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)"
+               "\n    logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
                "tgt_in = tgt[:, :-1]\n    tgt = tgt[:, 1:]\n"
                "    logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
                "step_input", "no_bos"),
-    "too_wide": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)  "
-                 "# shift right\n    logits = model(src, tgt_in, src != PAD, "
-                 "causal_mask(tgt.shape[1]))         # (B, L_t, V)",
+    "too_wide": ("tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)"
+                 "\n    logits = model(src, tgt_in, src != PAD, "
+                 "causal_mask(tgt.shape[1]))  # (B, L_t, V)",
                  "tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt], dim=1)\n"
                  "    logits = model(src, tgt_in, src != PAD, "
                  "causal_mask(tgt_in.shape[1]))[:, :-1]",
                  "step_input", "too_wide"),
     "no_causal": ("logits = model(src, tgt_in, src != PAD, causal_mask(tgt.shape[1]))",
                   "logits = model(src, tgt_in, src != PAD, None)", "step_causal", "no_causal"),
-    "model_causal": ("src_mask=keys, tgt_mask=tgt_mask,", "src_mask=keys, tgt_mask=None,",
+    "model_causal": ("tgt_mask=tgt_mask,\n", "tgt_mask=None,\n",
                      "model_causal", "model_causal"),
     "no_src_mask": ("logits = model(src, tgt_in, src != PAD,", "logits = model(src, tgt_in, None,",
                     "step_src_mask", "no_src_mask"),
     "src_mask_inverted": ("logits = model(src, tgt_in, src != PAD,",
                           "logits = model(src, tgt_in, src == PAD,", "step_src_mask",
                           "src_mask_inverted"),
-    "model_src_mask": ("memory_mask=keys)", "memory_mask=None)", "model_padding",
+    "model_src_mask": ("memory_mask=keys,\n", "memory_mask=None,\n", "model_padding",
                        "model_src_mask"),
-    "pad_loss": ("tgt.reshape(-1),\n                           ignore_index=PAD)",
-                 "tgt.reshape(-1))", "step_loss", "pad_loss"),
-    "sum_loss": ("ignore_index=PAD)\n    optimizer.zero_grad()",
-                 "ignore_index=PAD, reduction='sum')\n    optimizer.zero_grad()", "step_loss",
-                 "sum_loss"),
-    "input_loss": ("tgt.reshape(-1),\n                           ignore_index=PAD)",
-                   "tgt_in.reshape(-1),\n                           ignore_index=PAD)",
+    "pad_loss": ("tgt.reshape(-1), ignore_index=PAD\n", "tgt.reshape(-1)\n", "step_loss",
+                 "pad_loss"),
+    "sum_loss": ("ignore_index=PAD\n    )\n    optimizer.zero_grad()",
+                 "ignore_index=PAD, reduction='sum'\n    )\n    optimizer.zero_grad()",
+                 "step_loss", "sum_loss"),
+    "input_loss": ("tgt.reshape(-1), ignore_index=PAD\n",
+                   "tgt_in.reshape(-1), ignore_index=PAD\n",
                    "step_loss", "input_loss"),
     "no_step": ("    optimizer.step()\n    return loss.item()", "    return loss.item()",
                 "step_optimizer", "no_step"),
@@ -108,7 +107,7 @@ MISTAKES = {
     "zero_after_backward": ("    optimizer.zero_grad()\n    loss.backward()\n",
                             "    loss.backward()\n    optimizer.zero_grad()\n", "step_optimizer",
                             "zero_after_backward"),
-    "train_mode": ("    model.eval()\n    ys =", "    ys =", "greedy_eval", "train_mode"),
+    "train_mode": ("    model.eval()\n", "", "greedy_eval", "train_mode"),
     "decode_no_mask": ("logits = model(src, ys, src_mask,", "logits = model(src, ys, None,",
                        "greedy_batch", "decode_no_mask"),
     "no_feedback": ("logits = model(src, ys, src_mask,",

@@ -11,12 +11,20 @@ never runs). Each page is visited once; the tests below then check what was reco
 - notebook figures are not shrunk below 80 % of their size (their labels stay readable), and no
   cell output is a wall of numbers;
 - no request left 127.0.0.1 (Chrome's performance log: every requested URL);
-- no console error, apart from the short allow-list below, each entry saying why it is harmless;
+- no console error or warning on any page;
+- no stray output (``None``, an object's repr such as ``<Figure size ...>``) in any cell;
+- every page links the book's repository and offers its source (.ipynb or .md) for download;
 - the search page finds "softmax"; the next and previous links follow the table of contents;
   the sidebar lists exactly the pages of _toc.yml; index.html leads to the intro.
 
-Screenshots of the intro and of a chapter are saved to ``test-artifacts/`` (git-ignored), with a
-one-line summary (pages visited, formulas typeset, images checked) that pytest also prints.
+Every page is visited twice, in a 1280x800 window and as a 390x844 phone, and its layout is
+measured (``LAYOUT``). At 1280 px: at most 5 % of the code cells and 5 % of the cell outputs
+scroll sideways, no table is clipped, no page scrolls sideways. On the phone: no page scrolls
+sideways as a whole (long inline code wraps), a display equation wider than the screen scrolls
+inside its own box, no table is clipped, every notebook figure fills the column and is a link
+to its full-size image. The measurements go to ``test-artifacts/layout.json`` and to the
+one-line summaries that pytest prints; a full-page screenshot of every page at both sizes goes
+to ``test-artifacts/screenshots/1280x800/`` and ``.../390x844/`` (git-ignored).
 ``test_checks_catch_a_broken_page`` feeds the same checks a page that breaks every rule, to prove
 that they can fail.
 """
@@ -51,7 +59,9 @@ CHROMEDRIVER = Path(
     os.environ.get("CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
 )
 ARTIFACTS = ROOT / "test-artifacts"
-WINDOW = (1280, 1000)  # wide enough for the sidebar and the ~750 px text column side by side
+WINDOW = (1280, 800)  # a laptop: the sidebar, the ~800 px text column and the page's contents
+PHONE = (390, 844)  # a phone held upright, in CSS pixels
+MAX_SCROLLING_SHARE = 0.05  # at 1280 px, of the code cells and of the outputs
 
 # Chromium's flags. The background-networking ones keep the browser itself from calling home:
 # in a closed network those connections are refused and show up as errors.
@@ -73,17 +83,6 @@ CHROMIUM_FLAGS = [
     # Any host but 127.0.0.1 fails at once instead of waiting on a DNS timeout. The request is
     # still attempted (and recorded by the performance log), so the no-leak check still sees it.
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-]
-
-# Console messages at level SEVERE that are harmless. Each entry: (regex on the message, why).
-CONSOLE_ALLOW: list[tuple[str, str]] = [
-    (
-        r"Uncaught SyntaxError: Identifier 'THEBE_JS_URL' has already been declared",
-        # Sphinx 7.4 writes sphinx-thebe's inline settings script twice (its de-duplication
-        # misses inline scripts), so the second copy's `const` fails. The first copy already
-        # defined the same values, and live code (thebe) is off in this book: nothing is lost.
-        "sphinx-thebe's settings script, written twice",
-    ),
 ]
 
 SCHEMES_THAT_STAY = {"data", "blob", "about"}  # inline data, object URLs, the blank page
@@ -175,6 +174,11 @@ const unknownTags = [...main.querySelectorAll("*")]
 // Text outputs of notebook cells, to find walls of numbers.
 const outputs = [...document.querySelectorAll("div.cell_output pre")].map((p) => p.textContent);
 const link = (sel) => { const a = document.querySelector(sel); return a ? a.href : null; };
+// Outputs that say nothing to a reader: a bare None, an object's repr.
+const stray = [...document.querySelectorAll("div.cell_output > .output")]
+  .map((o) => o.textContent.trim())
+  .filter((t) => t === "None" || /object at 0x[0-9a-fA-F]+>|^<Figure size|^<matplotlib\./.test(t))
+  .map((t) => t.slice(0, 80));
 const nav = [...document.querySelectorAll("nav.bd-docs-nav a.reference.internal")]
   .map((a) => a.href);
 return {
@@ -183,9 +187,106 @@ return {
   mathNodes: mathNodes.length,
   containers: document.querySelectorAll("mjx-container").length,
   untypeset, rawTex, mathErrors, images, outputs, unknownTags,
+  stray,
+  repository: link("a.btn-source-repository-button"),
+  download: link("a.btn-download-source-button"),
   prev: link(".prev-next-area a.left-prev"),
   next: link(".prev-next-area a.right-next"),
   nav,
+};
+"""
+
+# The page's layout at the current window size: what scrolls sideways, and where.
+LAYOUT = r"""
+const vw = document.documentElement.clientWidth;
+const main = document.querySelector("main") || document.body;
+const px = Math.round;
+const scrollsX = (e) => e.scrollWidth > e.clientWidth + 1;
+const canScroll = (e) => ["auto", "scroll"].includes(getComputedStyle(e).overflowX);
+const cells = [...document.querySelectorAll("div.cell")];
+const where = (e) => {
+  const s = e.closest("section[id]");
+  const c = e.closest("div.cell");
+  return (s ? "#" + s.id : "") + (c ? ` cell ${cells.indexOf(c)}` : "");
+};
+// A sidebar drawn off the screen (the phone's closed menus) is not part of the page's width.
+const offCanvas = [...document.querySelectorAll(".bd-sidebar-primary, .bd-sidebar-secondary")]
+  .filter((e) => {
+    const r = e.getBoundingClientRect();
+    return r.left >= vw - 1 || r.right <= 1 || getComputedStyle(e).visibility === "hidden";
+  });
+const code = [...document.querySelectorAll("div.cell_input pre")];
+const wideCode = code.filter(scrollsX)
+  .map((e) => `code ${where(e)}: ${px(e.scrollWidth - e.clientWidth)} px too wide`);
+const outputs = [...document.querySelectorAll("div.cell_output > .output")]
+  .map((o) => o.querySelector("pre") || o);
+const wideOutputs = outputs
+  .filter((e) => scrollsX(e) || e.getBoundingClientRect().right > vw + 1
+                 || [...e.querySelectorAll("table, pre")].some(scrollsX))
+  .map((e) => {
+    const by = Math.max(e.scrollWidth - e.clientWidth, e.getBoundingClientRect().right - vw);
+    return `output ${where(e)}: ${px(by)} px too wide`;
+  });
+// A table is clipped when part of it is out of sight and no box around it scrolls to it.
+const tables = [...main.querySelectorAll("table")];
+const clippedTables = tables.filter((t) => {
+  if (offCanvas.some((o) => o.contains(t))) return false;
+  for (let n = t.parentElement; n && n !== document.body; n = n.parentElement) {
+    if (canScroll(n) && scrollsX(n)) return false;
+  }
+  const r = t.getBoundingClientRect();
+  for (let n = t.parentElement; n && n !== document.body; n = n.parentElement) {
+    const ox = getComputedStyle(n).overflowX;
+    if ((ox === "hidden" || ox === "clip") && n.getBoundingClientRect().right < r.right - 1) {
+      return true;  // cut off by a box that hides what overflows it
+    }
+  }
+  return r.right > vw + 1 || r.left < -1 || scrollsX(t);
+}).map((t) => `table ${where(t)}: ${px(t.getBoundingClientRect().width)} px wide`);
+const equations = [...document.querySelectorAll('mjx-container[display="true"]')];
+const wideEquations = equations.filter(
+  (m) => scrollsX(m) || m.getBoundingClientRect().right > vw + 1);
+const loose = wideEquations
+  .filter((m) => !(canScroll(m) && m.getBoundingClientRect().right <= vw + 1))
+  .map((m) => `equation ${where(m)}: neither fits nor scrolls in its own box`);
+// Whatever reaches past the window's right edge outside a box that clips or scrolls it.
+const sticking = [];
+for (const e of main.querySelectorAll("*")) {
+  const r = e.getBoundingClientRect();
+  if (r.width === 0 || r.right <= vw + 1 || offCanvas.some((o) => o.contains(e))) continue;
+  let boxed = false;
+  for (let n = e.parentElement; n && n !== main; n = n.parentElement) {
+    if (getComputedStyle(n).overflowX !== "visible" && n.getBoundingClientRect().right <= vw + 1) {
+      boxed = true;
+      break;
+    }
+  }
+  if (!boxed) {
+    const text = (e.textContent || "").trim().replace(/\s+/g, " ").slice(0, 60);
+    sticking.push(`<${e.localName}> ${where(e)} ${px(r.right - vw)} px past the edge: ${text}`);
+  }
+}
+const figures = [...document.querySelectorAll("div.cell_output img")].map((i) => {
+  const box = i.closest("div.cell_output");
+  const cs = getComputedStyle(box);
+  const column = box.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+  const a = i.closest("a[href]");
+  return {
+    src: (i.currentSrc || i.src).split("/").pop(),
+    shown: i.getBoundingClientRect().width,
+    column,
+    fullSize: !!a && a.href === (i.currentSrc || i.src),
+  };
+});
+return {
+  width: vw,
+  pageScroll: px(document.documentElement.scrollWidth - vw),
+  codeCells: code.length, wideCode,
+  outputs: outputs.length, wideOutputs,
+  tables: tables.length, clippedTables,
+  equations: equations.length, wideEquations: wideEquations.length, loose,
+  sticking: sticking.slice(0, 5), stickingCount: sticking.length,
+  figures,
 };
 """
 
@@ -284,14 +385,35 @@ def visit_page(
     wait_for_js: str | None = None,
     extra_js: str | None = None,
     screenshot: Path | None = None,
+    size: tuple[int, int] | None = None,
 ) -> Visit:
     """Open `url`, wait for MathJax and the images (and `wait_for_js`), record the page (and
-    what `extra_js` returns, in ``page["extra"]``), save a screenshot if asked, then leave for
-    about:blank so that every request and message of this page is in this visit's record."""
-    from selenium.webdriver.support.ui import WebDriverWait
+    what `extra_js` returns, in ``page["extra"]``; its layout, in ``page["layout"]``), save a
+    screenshot if asked, then leave for about:blank so that every request and message of this
+    page is in this visit's record. `size` (width, height) shows the page as a phone of that
+    size would (a mobile viewport); without it, in the browser's 1280x800 window."""
 
     visit = Visit(name=name, url=url)
-    driver.get(url)
+    if size:
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": size[0], "height": size[1], "deviceScaleFactor": 1, "mobile": True},
+        )
+    try:
+        _load_and_record(driver, visit, wait_for_js, extra_js, screenshot, size)
+    finally:
+        if size:
+            driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    driver.get("about:blank")
+    _drain_network(driver, visit)
+    visit.console = driver.get_log("browser")
+    return visit
+
+
+def _load_and_record(driver, visit, wait_for_js, extra_js, screenshot, size) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(visit.url)
     WebDriverWait(driver, 30).until(
         lambda d: d.execute_script("return document.readyState") == "complete"
     )
@@ -300,22 +422,15 @@ def visit_page(
     visit.mathjax = driver.execute_async_script(WAIT_MATHJAX)
     driver.execute_async_script(WAIT_IMAGES)
     visit.page = driver.execute_script(COLLECT)
+    visit.page["layout"] = driver.execute_script(LAYOUT)
     if extra_js:
         visit.page["extra"] = driver.execute_script(extra_js)
     if screenshot:
-        _screenshot(driver, screenshot)
+        _screenshot(driver, screenshot, size or WINDOW, mobile=bool(size))
     time.sleep(0.2)  # let a request started by the last script reach the log
-    driver.get("about:blank")
-    _drain_network(driver, visit)
-    visit.console = driver.get_log("browser")
-    return visit
 
 
 # ----------------------------------------------------------------------------- the checks
-def _allowed(message: str) -> bool:
-    return any(re.search(pattern, message) for pattern, _why in CONSOLE_ALLOW)
-
-
 def leaving_requests(visit: Visit) -> list[str]:
     bad = []
     for url in visit.requests:
@@ -329,9 +444,9 @@ def leaving_requests(visit: Visit) -> list[str]:
 
 
 def console_errors(visit: Visit) -> list[str]:
-    return [
-        e["message"] for e in visit.console if e["level"] == "SEVERE" and not _allowed(e["message"])
-    ]
+    """Every error and warning the page wrote to the console (none is allowed)."""
+    return [f"{e['level']}: {e['message']}" for e in visit.console
+            if e["level"] in ("SEVERE", "WARNING")]
 
 
 def math_problems(visit: Visit) -> list[str]:
@@ -404,6 +519,7 @@ def all_problems(visit: Visit) -> dict[str, list[str]]:
         "figures": figure_problems(visit),
         "outputs": output_problems(visit),
         "markup": [f"text lost as an HTML tag {t}" for t in visit.page.get("unknownTags", [])],
+        "stray": [f"a stray output: {t!r}" for t in visit.page.get("stray", [])],
     }
 
 
@@ -445,25 +561,97 @@ def _canonical(url: str | None) -> str | None:
     return path
 
 
-def _screenshot(driver, path: Path) -> None:
-    """A full-page PNG at the window's width: the viewport is made as tall as the page first
-    (capturing beyond a normal viewport misplaces the theme's sticky sidebars)."""
+def _screenshot(driver, path: Path, size: tuple[int, int] = WINDOW, mobile: bool = False) -> None:
+    """A full-page PNG at the given width: the viewport is made as tall as the page first
+    (capturing beyond a normal viewport misplaces the theme's sticky sidebars), then set back."""
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride",
-        {"width": WINDOW[0], "height": min(int(height), 30000), "deviceScaleFactor": 1,
-         "mobile": False},
+        {"width": size[0], "height": min(int(height), 30000), "deviceScaleFactor": 1,
+         "mobile": mobile},
     )
     try:
         time.sleep(0.3)  # one layout pass at the new size
         shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png"})
     finally:
-        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        if mobile:
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": size[0], "height": size[1], "deviceScaleFactor": 1, "mobile": True},
+            )
+        else:
+            driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(base64.b64decode(shot["data"]))
 
 
 # ----------------------------------------------------------------------------- fixtures
 SCREENSHOTS: list[Path] = []  # written by this session's visits
+SHOTS = ARTIFACTS / "screenshots"
+
+
+def _shot_path(size: tuple[int, int], name: str) -> Path:
+    return SHOTS / f"{size[0]}x{size[1]}" / (name.replace("/", "__") + ".png")
+
+
+def _layout_summary(visits: list[Visit], size: tuple[int, int]) -> tuple[str, dict]:
+    """One line and the figures of the layout measurements of `visits`, made at `size`."""
+    lay = [v.page["layout"] for v in visits]
+    n_code = sum(x["codeCells"] for x in lay)
+    n_out = sum(x["outputs"] for x in lay)
+    figures = [f for x in lay for f in x["figures"]]
+    figs = {
+        "pages": len(lay),
+        "pages scrolling sideways": sum(x["pageScroll"] > 0 or x["stickingCount"] > 0
+                                        for x in lay),
+        "code cells": n_code,
+        "code cells scrolling": sum(len(x["wideCode"]) for x in lay),
+        "outputs": n_out,
+        "outputs scrolling": sum(len(x["wideOutputs"]) for x in lay),
+        "tables": sum(x["tables"] for x in lay),
+        "tables clipped": sum(len(x["clippedTables"]) for x in lay),
+        "display equations": sum(x["equations"] for x in lay),
+        "equations wider than the column (scroll in their box)":
+            sum(x["wideEquations"] for x in lay),
+        "equations that neither fit nor scroll": sum(len(x["loose"]) for x in lay),
+        "figures": len(figures),
+        "figures under 90% of the column": sum(f["shown"] < 0.9 * f["column"] for f in figures),
+        "figures that open full size": sum(f["fullSize"] for f in figures),
+    }
+    line = (
+        f"layout at {size[0]}x{size[1]}: {figs['pages scrolling sideways']}/{len(lay)} pages "
+        f"scroll sideways; code cells scrolling {figs['code cells scrolling']}/{n_code}; "
+        f"outputs scrolling {figs['outputs scrolling']}/{n_out}; tables clipped "
+        f"{figs['tables clipped']}/{figs['tables']}; equations scrolling in their box "
+        f"{figs['equations wider than the column (scroll in their box)']}/"
+        f"{figs['display equations']}; figures under 90% of the column "
+        f"{figs['figures under 90% of the column']}/{len(figures)}"
+    )
+    return line, figs
+
+
+def _visit_all(browser, book_url, request, size: tuple[int, int] | None) -> list[Visit]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    # A page missing from the build fails test_every_toc_page_is_built_and_in_the_navigation.
+    names = [n for n in toc_pages() if (HTML / f"{n}.html").is_file()]
+    assert names, "no page of _toc.yml was built"
+    shown = size or WINDOW
+    result = []
+    for name in names:
+        shot = _shot_path(shown, name)
+        SCREENSHOTS.append(shot)
+        result.append(visit_page(browser, urljoin(book_url, f"{name}.html"), name,
+                                 screenshot=shot, size=size))
+    line, figs = _layout_summary(result, shown)
+    layout_file = ARTIFACTS / "layout.json"
+    recorded = json.loads(layout_file.read_text()) if layout_file.is_file() else {}
+    recorded[f"{shown[0]}x{shown[1]}"] = {
+        "summary": figs,
+        "pages": {v.name: v.page["layout"] for v in result},
+    }
+    layout_file.write_text(json.dumps(recorded, indent=1), encoding="utf-8")
+    request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -482,22 +670,9 @@ def browser() -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def visits(book_url, browser, request) -> list[Visit]:
-    """Every page of the table of contents, visited once, in reading order."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    # A page missing from the build fails test_every_toc_page_is_built_and_in_the_navigation.
-    names = [n for n in toc_pages() if (HTML / f"{n}.html").is_file()]
-    assert names, "no page of _toc.yml was built"
-    chapters = [n for n in names if re.match(r"book/\d\d_", n)]
-    shot_chapter = "book/01_attention" if "book/01_attention" in names else (
-        chapters[0] if chapters else None)
-    result = []
-    for name in names:
-        shot = None
-        if name in (names[0], shot_chapter):
-            shot = ARTIFACTS / ("intro.png" if name == names[0] else f"{Path(name).name}.png")
-            SCREENSHOTS.append(shot)
-        result.append(visit_page(browser, urljoin(book_url, f"{name}.html"), name,
-                                 screenshot=shot))
+    """Every page of the table of contents, visited once in a 1280x800 window, in reading
+    order, each with a full-page screenshot."""
+    result = _visit_all(browser, book_url, request, None)
     formulas = sum(v.page["containers"] for v in result)
     images = sum(len(v.page["images"]) for v in result)
     summary = (
@@ -507,6 +682,12 @@ def visits(book_url, browser, request) -> list[Visit]:
     (ARTIFACTS / "browser-summary.txt").write_text(summary + "\n", encoding="utf-8")
     request.config.stash.setdefault(SUMMARY_LINES, []).append(summary)
     return result
+
+
+@pytest.fixture(scope="session")
+def phone_visits(book_url, browser, request) -> list[Visit]:
+    """Every page of the table of contents, visited once more as a 390x844 phone."""
+    return _visit_all(browser, book_url, request, PHONE)
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -598,14 +779,88 @@ def test_search_finds_softmax(book_url, browser, visits):
     assert not problems, f"the search page: {problems}"
 
 
-def test_screenshots_are_saved(visits):
-    """The intro and a chapter, as PNG files of real content (artifacts, never committed)."""
-    has_chapter = any(re.match(r"book/\d\d_", v.name) for v in visits)
-    assert ARTIFACTS / "intro.png" in SCREENSHOTS, SCREENSHOTS
-    assert len(SCREENSHOTS) == 1 + has_chapter, SCREENSHOTS
-    for shot in SCREENSHOTS:
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
-        assert shot.stat().st_size > 20_000, f"{shot} is (nearly) empty"
+def test_screenshots_are_saved(visits, phone_visits):
+    """Every page at both sizes, as PNG files of real content (artifacts, never committed)."""
+    for size, seen in ((WINDOW, visits), (PHONE, phone_visits)):
+        for v in seen:
+            shot = _shot_path(size, v.name)
+            assert shot in SCREENSHOTS, shot
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
+            assert shot.stat().st_size > 20_000, f"{shot} is (nearly) empty"
+            width = int.from_bytes(shot.read_bytes()[16:20], "big")  # the PNG header's width
+            assert width == size[0], f"{shot} is {width} px wide, not {size[0]}"
+
+
+def layout_problems(visit: Visit, phone: bool) -> list[str]:
+    """What in one page's layout breaks the rules of its size (see the module's docstring)."""
+    lay = visit.page["layout"]
+    problems = []
+    if lay["pageScroll"] > 0:
+        problems.append(f"the page scrolls sideways by {lay['pageScroll']} px")
+    problems += lay["sticking"]
+    problems += lay["clippedTables"]
+    problems += lay["loose"]
+    if phone:
+        for f in lay["figures"]:
+            if f["shown"] < 0.9 * f["column"]:
+                problems.append(f"figure {f['src']} is {f['shown']:.0f} px wide in a column of "
+                                f"{f['column']:.0f} px")
+            if not f["fullSize"]:
+                problems.append(f"figure {f['src']} does not open full size")
+    return problems
+
+
+def test_code_and_outputs_fit_the_column_at_1280(visits):
+    """At 1280x800 at most 5 % of code cells and 5 % of outputs scroll sideways (the notebooks'
+    code is formatted to the column's 88 characters), and nothing else does."""
+    lay = [v.page["layout"] for v in visits]
+    n_code, n_out = sum(x["codeCells"] for x in lay), sum(x["outputs"] for x in lay)
+    wide_code = [f"{v.name} {w}" for v in visits for w in v.page["layout"]["wideCode"]]
+    wide_out = [f"{v.name} {w}" for v in visits for w in v.page["layout"]["wideOutputs"]]
+    assert n_code > 100 and n_out > 100, (n_code, n_out)
+    assert len(wide_code) <= MAX_SCROLLING_SHARE * n_code, (
+        f"{len(wide_code)} of {n_code} code cells scroll sideways:\n" + "\n".join(wide_code))
+    assert len(wide_out) <= MAX_SCROLLING_SHARE * n_out, (
+        f"{len(wide_out)} of {n_out} outputs scroll sideways:\n" + "\n".join(wide_out))
+    problems = [f"{v.name}: {p}" for v in visits for p in layout_problems(v, phone=False)]
+    assert not problems, "\n".join(problems)
+
+
+def test_pages_fit_a_phone(phone_visits):
+    """At 390x844 no page scrolls sideways, an equation too wide scrolls in its own box, no
+    table is clipped, and every figure fills the column and opens full size."""
+    assert any(v.page["layout"]["figures"] for v in phone_visits), "no figure was measured"
+    problems = [f"{v.name}: {p}" for v in phone_visits for p in layout_problems(v, phone=True)]
+    assert not problems, "\n".join(problems)
+
+
+def test_phone_pages_load_cleanly(phone_visits):
+    """The same checks as at 1280 px that can differ on a phone: console, requests, images."""
+    for kind in ("console", "requests", "images", "math"):
+        assert not (r := _report(phone_visits, kind)), f"{kind} on a phone:\n" + r
+
+
+def test_no_stray_outputs(visits):
+    """No cell shows a bare None or an object's repr (end a plotting cell with plt.show(), end
+    a cell with a statement rather than a call that returns None)."""
+    assert not (r := _report(visits, "stray")), "stray outputs:\n" + r
+
+
+def test_every_page_links_the_repository_and_its_source(visits):
+    """The repository button and the download button (the page's .ipynb or .md) on every
+    page; the download is served by the book itself."""
+    problems = []
+    for v in visits:
+        repo, download = v.page["repository"], v.page["download"]
+        if not (repo and urlsplit(repo).scheme == "https"):
+            problems.append(f"{v.name}: no repository link ({repo})")
+        kind = ".ipynb" if (ROOT / f"{v.name}.ipynb").is_file() else ".md"
+        if not (download and download.endswith(Path(v.name).name + kind)):
+            problems.append(f"{v.name}: the download button offers {download}, expected the "
+                            f"page's {kind}")
+        elif not (HTML / urlsplit(download).path.lstrip("/")).is_file():
+            problems.append(f"{v.name}: {download} is not in the built book")
+    assert not problems, "\n".join(problems)
 
 
 # ----------------------------------------------------------------------------- attention explorers
@@ -822,8 +1077,15 @@ BROKEN_PAGE = r"""<!DOCTYPE html>
 <img src="http://example.com/tracker.png" alt="an image from elsewhere">
 <div class="cell_output" style="width: 600px">
 <img src="wide.svg" alt="wide.svg">
-<pre>%(wall)s</pre>
+<div class="output text_plain"><pre>%(wall)s</pre></div>
 </div>
+<div class="cell_output"><div class="output text_plain"><pre>None</pre></div></div>
+<div class="cell_output"><div class="output text_plain">
+<pre>&lt;Figure size 640x480 with 1 Axes&gt;</pre></div></div>
+<p>Inline code that cannot wrap: <code style="white-space: nowrap">%(long_code)s</code></p>
+<div style="overflow: hidden; width: 300px"><table style="width: 900px"><tr><td>a table cut
+off by its box</td></tr></table></div>
+<p><span class="math">\[%(long_sum)s\]</span></p>
 <script>console.error("something broke");</script>
 </main></body></html>
 """
@@ -847,10 +1109,17 @@ def test_checks_catch_a_broken_page(browser, built_book, tmp_path):
         ("local.html", "_static/mathjax/tex-chtml.js"),
         ("cdn.html", "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"),
     ]:
-        page = BROKEN_PAGE % {"mathjax": mathjax, "wall": wall}
+        page = BROKEN_PAGE % {
+            "mathjax": mathjax, "wall": wall,
+            "long_code": ".".join(["utils.attention.scaled_dot_product_attention"] * 4),
+            "long_sum": " + ".join(f"x_{{{i}}}" for i in range(150)),
+        }
         (tmp_path / name).write_text(page, encoding="utf-8")
     with serve(tmp_path) as url:
-        local = all_problems(visit_page(browser, urljoin(url, "local.html"), "local"))
+        local_visit = visit_page(browser, urljoin(url, "local.html"), "local")
+        local = all_problems(local_visit)
+        phone = layout_problems(
+            visit_page(browser, urljoin(url, "local.html"), "local", size=PHONE), phone=True)
         cdn = all_problems(visit_page(browser, urljoin(url, "cdn.html"), "cdn"))
     text = {k: "\n".join(v) for k, v in local.items()}
     assert "not typeset: " in text["math"] and "{2\\)" in text["math"], local
@@ -865,7 +1134,18 @@ def test_checks_catch_a_broken_page(browser, built_book, tmp_path):
     assert "an output of 1 lines and 200 numbers" in text["outputs"], local
     assert "text lost as an HTML tag <eos> in: The last row predicts" in text["markup"], local
     assert "example.com" in text["requests"], local
-    assert "something broke" in text["console"], local
+    assert "SEVERE: " in text["console"] and "something broke" in text["console"], local
+    assert "a stray output: 'None'" in text["stray"], local
+    assert "a stray output: '<Figure size 640x480 with 1 Axes>'" in text["stray"], local
+    desktop = "\n".join(layout_problems(local_visit, phone=False))
+    assert "the page scrolls sideways by" in desktop, desktop
+    assert "table " in desktop and "px wide" in desktop, desktop  # the clipped table
+    assert "neither fits nor scrolls in its own box" in desktop, desktop
+    assert "px past the edge: utils.attention" in desktop, desktop
+    assert local_visit.page["layout"]["wideOutputs"], local_visit.page["layout"]  # the wall
+    phone_text = "\n".join(phone)
+    assert "the page scrolls sideways by" in phone_text, phone_text
+    assert "wide.svg does not open full size" in phone_text, phone_text
     cdn_text = "\n".join(cdn["math"] + cdn["requests"])
     assert "cdn.jsdelivr.net" in cdn_text, cdn  # MathJax from a CDN is a request that leaves
     assert "not typeset" in cdn_text, cdn

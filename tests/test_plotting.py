@@ -1,4 +1,5 @@
-"""Tests of utils.plotting: the attention heatmaps that the chapters share."""
+"""Tests of utils.plotting: the attention heatmaps that the chapters share, the attention
+explorer's HTML, and the architecture figure drawn from a model's modules."""
 
 from __future__ import annotations
 
@@ -13,14 +14,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.patches import FancyBboxPatch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from utils._validation import InputTypeError  # noqa: E402
+from utils.attention import keep_attention_weights  # noqa: E402
+from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer  # noqa: E402
 from utils.plotting import (  # noqa: E402
     AttentionExplorer,
+    architecture_figure,
     attention_explorer,
     plot_attention,
     plot_attention_heads,
 )
+from utils.transformer import Encoder, EncoderLayer, Transformer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -191,6 +198,48 @@ def test_explorer_is_deterministic():
     assert '"my-view"' in fixed.html  # the script finds its own container
 
 
+def _script(explorer: AttentionExplorer) -> str:
+    """The explorer's own script (the second script element)."""
+    return re.findall(r"<script>(.*?)</script>", explorer.html, re.DOTALL)[-1]
+
+
+def test_explorer_keyboard_and_screen_reader_markup():
+    """What the script builds for the keyboard and for screen readers: the labels come with the
+    data, the script makes the query tokens one toolbar with a roving tabindex (the selected
+    token 0, the others -1), marks the shown query aria-pressed, answers the arrow keys, Home
+    and End, and writes to a polite live region; the browser test drives it for real."""
+    tokens = ["dog", "bites", "man"]
+    ex = attention_explorer(_weights(2, 3, 3), tokens)
+    labels = _data(ex)["labels"]
+    assert labels["queries"] == ["query 1 of 3: dog", "query 2 of 3: bites",
+                                 "query 3 of 3: man"]
+    assert labels["group"].startswith("3 queries: ")
+    assert all(k in labels["group"] for k in ("arrow keys", "Home", "End"))
+    assert "Tab" in labels["hint"] and "arrow keys" in labels["hint"]
+    assert _data(attention_explorer(_weights(1, 1, 2), ["a"], ["x", "y"]))["labels"][
+        "group"].startswith("1 query: ")
+    js = _script(ex)
+    assert 'qrow.setAttribute("role", "toolbar")' in js
+    assert 'qrow.setAttribute("aria-label", data.labels.group)' in js
+    assert 'b.setAttribute("aria-label", data.labels.queries[i])' in js
+    assert "b.tabIndex = i === state.pinned ? 0 : -1;" in js
+    assert 'b.setAttribute("aria-pressed", i === state.query ? "true" : "false")' in js
+    assert 'live.setAttribute("aria-live", "polite")' in js
+    assert '" attends most to "' in js
+    for key in ("ArrowRight", "ArrowLeft", "ArrowUp", "ArrowDown", "Home", "End"):
+        assert f'"{key}"' in js, key
+    # The selects stay ordinary controls, and answer the keyboard's change events too.
+    assert 'el("select", "tta-" + key)' in js and 'sel.addEventListener("input", pick)' in js
+    # Only the script makes buttons: without it, the static table is all there is.
+    assert "<button" not in ex.html.replace(js, "")
+
+
+def test_explorer_labels_escape_tokens():
+    ex = attention_explorer(_weights(1, 2, 2), ["<eos>", "</script>"])
+    assert _data(ex)["labels"]["queries"] == ["query 1 of 2: <eos>", "query 2 of 2: </script>"]
+    assert ex.html.count("</script>") == 2
+
+
 def test_explorer_escapes_tokens_and_title():
     tokens = ["<eos>", "a&b", '"q"', "</script><script>alert(1)"]
     ex = attention_explorer(_weights(1, 4, 4), tokens, title="<b>x</b>")
@@ -244,3 +293,172 @@ def test_explorer_rejects_bad_labels_and_options():
         attention_explorer(torch.full((1, 2, 2), float("nan")), ["a", "b"])
     with pytest.raises(ValueError, match="no size 0"):
         attention_explorer(torch.zeros(1, 0, 2), [], ["a", "b"])
+
+
+# ----------------------------------------------------------------------------- architecture_figure
+def _texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+
+
+def _tf(**kw) -> Transformer:
+    args = dict(d_model=16, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
+                dim_feedforward=32, dropout=0.0)
+    return Transformer(**{**args, **kw})
+
+
+def _ys(fig, prefix: str, left: bool) -> list[float]:
+    """The heights of the texts starting with ``prefix`` in one column (encoder: left)."""
+    width = fig.get_size_inches()[0]
+    return sorted(t.get_position()[1] for t in fig.findobj(matplotlib.text.Text)
+                  if t.get_text().startswith(prefix) and (t.get_position()[0] < width / 2) == left)
+
+
+def test_architecture_figure_reads_counts_from_the_model():
+    base = _texts(architecture_figure(_tf()))
+    assert "Transformer: 2 + 2 layers, d_model = 16, post-LN" in base
+    assert base.count("2×") == 2
+    assert "Multi-head self-attention\nh = 4, d_k = 4" in base
+    assert "Masked multi-head self-attention\nh = 4, d_k = 4" in base
+    assert "Multi-head cross-attention\nh = 4; keys, values: encoder" in base
+    assert base.count("Feed-forward, relu\n16 → 32 → 16") == 2
+    assert base.count("Add & LayerNorm") == 5  # 2 in the encoder layer, 3 in the decoder layer
+    assert base.count("LayerNorm (final)") == 2
+    # Change one setting at a time: the figure follows.
+    texts = _texts(architecture_figure(_tf(num_encoder_layers=3, num_decoder_layers=5)))
+    assert "3×" in texts and "5×" in texts and "2×" not in texts
+    texts = _texts(architecture_figure(_tf(nhead=2)))
+    assert "Multi-head self-attention\nh = 2, d_k = 8" in texts
+    assert not any("h = 4" in t for t in texts)
+    texts = _texts(architecture_figure(_tf(dim_feedforward=48, activation="gelu")))
+    assert texts.count("Feed-forward, gelu\n16 → 48 → 16") == 2
+    assert "Transformer: 2 + 2 layers, d_model = 32, post-LN" in _texts(
+        architecture_figure(_tf(d_model=32)))
+    texts = _texts(architecture_figure(_tf(norm_first=True)))
+    assert "Transformer: 2 + 2 layers, d_model = 16, pre-LN" in texts
+    assert "Add & LayerNorm" not in texts
+    assert texts.count("LayerNorm") == 5 and texts.count("+") == 5  # a norm and an addition each
+    # A stack without its final norm is drawn without it.
+    model = _tf()
+    model.encoder.norm = None
+    assert _texts(architecture_figure(model)).count("LayerNorm (final)") == 1
+
+
+def test_architecture_figure_follows_the_forward_order():
+    fig = architecture_figure(_tf())  # post-LN: sublayer, then add & norm
+    attn, ff = _ys(fig, "Multi-head self", True)[0], _ys(fig, "Feed-forward", True)[0]
+    adds = _ys(fig, "Add & LayerNorm", True)
+    assert attn < adds[0] < ff < adds[1]
+    masked, cross = _ys(fig, "Masked", False)[0], _ys(fig, "Multi-head cross", False)[0]
+    assert masked < cross < _ys(fig, "Feed-forward", False)[0]
+    fig = architecture_figure(_tf(norm_first=True))  # pre-LN: norm, sublayer, addition
+    norms = _ys(fig, "LayerNorm", True)
+    attn, ff = _ys(fig, "Multi-head self", True)[0], _ys(fig, "Feed-forward", True)[0]
+    plus = _ys(fig, "+", True)
+    assert norms[0] < attn < plus[0] < norms[1] < ff < plus[1] < norms[2]  # norms[2]: the final
+
+
+def test_architecture_figure_of_a_copy_of_torchs_transformer():
+    torch_tf = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=3,
+                              dim_feedforward=24, activation="gelu", batch_first=True)
+    fig = architecture_figure(Transformer.from_torch(torch_tf))
+    texts = _texts(fig)
+    assert "Transformer: 1 + 3 layers, d_model = 16, post-LN" in texts
+    assert "1×" in texts and "3×" in texts
+    assert "Masked multi-head self-attention\nh = 2, d_k = 8" in texts
+    assert texts.count("Feed-forward, gelu\n16 → 24 → 16") == 2
+    # A bare Transformer has no embeddings and no output projection: dashed boxes say so.
+    assert "source vectors, width 16\nembedding + positions" in texts
+    assert "output vectors, width 16\nlinear + softmax" in texts
+    assert "dashed: a step that no module of Transformer computes" in texts
+    with pytest.raises(ValueError, match="nn.Transformer.*Transformer.from_torch"):
+        architecture_figure(torch_tf)
+
+
+def test_architecture_figure_of_a_token_model():
+    model = Seq2SeqTransformer(13, 13, d_model=32, nhead=4, dim_feedforward=128,
+                               norm_first=True, share_embeddings=True)
+    texts = _texts(architecture_figure(model))
+    assert "Seq2SeqTransformer: 1 + 1 layers, d_model = 32, pre-LN" in texts
+    assert "Token embedding × √d_model\nV = 13, d_model = 32" in texts
+    assert "Token embedding × √d_model\nshared with the source" in texts
+    assert texts.count("+ sinusoidal positional encoding") == 2
+    assert "Linear 32 → 13\ntied: the embedding, transposed" in texts
+    assert "Softmax (in the loss and in decoding)" in texts
+    model = Seq2SeqTransformer(11, 7, d_model=16, nhead=2, positional=False, tie_output=False)
+    texts = _texts(architecture_figure(model))
+    assert "Token embedding × √d_model\nV = 11, d_model = 16" in texts
+    assert "Token embedding × √d_model\nV = 7, d_model = 16" in texts
+    assert not any("positional" in t for t in texts)
+    assert "Linear 16 → 7" in texts
+
+
+def test_architecture_figure_is_readable():
+    """At most 6.7 inches wide (the book's column), no text below 8 points, no two texts on top
+    of each other, and every box's text inside its box, for the paper's base model."""
+    with torch.device("meta"):  # shapes only: 63 million parameters cost nothing
+        model = Seq2SeqTransformer(37000, 37000, d_model=512, nhead=8, num_encoder_layers=6,
+                                   num_decoder_layers=6, dim_feedforward=2048,
+                                   share_embeddings=True)
+    for m in (model, _tf(norm_first=True)):
+        fig = architecture_figure(m)
+        assert fig.get_size_inches()[0] <= 6.7
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+        assert min(t.get_fontsize() for t in texts) >= 8
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        for t, b in zip(texts, boxes, strict=True):
+            assert fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1), t.get_text()
+        for i, a in enumerate(boxes):
+            for j in range(i):
+                assert not a.overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
+        patches = [p.get_window_extent(renderer) for p in fig.axes[0].patches
+                   if isinstance(p, FancyBboxPatch)]
+        for t, b in zip(texts, boxes, strict=True):
+            around = [p for p in patches if p.contains(*b.get_points().mean(axis=0))]
+            if around:
+                p = min(around, key=lambda p: p.width * p.height)  # the box, not the stack
+                assert p.x0 <= b.x0 and b.x1 <= p.x1 and p.y0 <= b.y0 and b.y1 <= p.y1, (
+                    t.get_text())
+
+
+def test_architecture_figure_leaves_the_model_as_it_was():
+    model = Seq2SeqTransformer(13, 13, d_model=16, nhead=2, dropout=0.1)
+    model.train()
+    keep_attention_weights(model)
+    src = torch.randint(3, 13, (2, 5))
+    tgt = torch.randint(3, 13, (2, 4))
+    model.eval()
+    with torch.no_grad():
+        model(src, tgt)
+    model.train()
+    layer = model.transformer.decoder.layers[0]
+    kept = layer.cross_attn.attn_weights
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    architecture_figure(model)
+    assert torch.equal(torch.get_rng_state(), rng)  # no random number drawn
+    assert all(m.training for m in model.modules())
+    assert layer.cross_attn.attn_weights is kept
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+
+
+def test_architecture_figure_refuses_what_it_cannot_draw():
+    for model in (DecoderOnlyLM(13, d_model=16, nhead=2), EncoderOnlyMLM(13, d_model=16, nhead=2),
+                  Encoder(2, 16, 2)):
+        with pytest.raises(ValueError, match="expects a utils.transformer.Transformer.*"
+                                             "no decoder"):
+            architecture_figure(model)
+    with pytest.raises(ValueError, match="expects a utils.transformer.Transformer"):
+        architecture_figure("a model")
+    model = _tf()
+    model.decoder = None
+    with pytest.raises(ValueError, match="decoder to be a utils.transformer.Decoder, got NoneType"):
+        architecture_figure(model)
+    model = _tf()
+    model.encoder.layers[1] = EncoderLayer(16, 2, 32)
+    with pytest.raises(ValueError, match="every layer of the encoder to be alike.*layer 1"):
+        architecture_figure(model)
+    with pytest.raises(ValueError, match="width must be between 5.5 and 6.7"):
+        architecture_figure(_tf(), width=8)
+    with pytest.raises(InputTypeError, match="title"):
+        architecture_figure(_tf(), title=3)

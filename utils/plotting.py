@@ -1,5 +1,6 @@
-"""Figures that several chapters share: attention weights as heatmaps, and an interactive
-attention explorer that a notebook stores as self-contained HTML."""
+"""Figures that several chapters share: attention weights as heatmaps, an interactive attention
+explorer that a notebook stores as self-contained HTML, and the diagram of a whole encoder-decoder
+Transformer drawn from its own modules."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import html as html_lib
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
+from torch import nn
 
 from ._validation import (
     InputTypeError,
@@ -22,7 +27,13 @@ from ._validation import (
     shape_str,
 )
 
-__all__ = ["AttentionExplorer", "attention_explorer", "plot_attention", "plot_attention_heads"]
+__all__ = [
+    "AttentionExplorer",
+    "architecture_figure",
+    "attention_explorer",
+    "plot_attention",
+    "plot_attention_heads",
+]
 
 
 def _as_weights(weights: object, expected: str, rank: int | None) -> torch.Tensor:
@@ -207,17 +218,26 @@ _CSS = """
 #ID .tta-q { cursor: pointer; }
 #ID .tta-q.tta-on { border-color: rgba(230, 120, 20, 1);
   box-shadow: 0 0 0 2px rgba(230, 120, 20, 0.6); }
-#ID .tta-q:focus-visible { outline: 2px solid rgba(230, 120, 20, 1); }
+#ID .tta-q:focus-visible { outline: 2px solid rgba(230, 120, 20, 1); outline-offset: 1px; }
 #ID .tta-k { display: inline-flex; flex-direction: column; }
 #ID .tta-w { font-size: 0.75em; opacity: 0.9; }
 #ID table.tta-static { border-collapse: collapse; font-family: monospace; font-size: 0.8em; }
 #ID table.tta-static th, #ID table.tta-static td { border: 1px solid rgba(128, 128, 128, 0.35);
   padding: 1px 4px; text-align: center; color: inherit; }
 #ID table.tta-static caption { caption-side: top; text-align: left; font-size: 0.9em; }
+#ID .tta-live { position: absolute; width: 1px; height: 1px; margin: -1px; padding: 0;
+  overflow: hidden; clip: rect(0 0 0 0); white-space: nowrap; border: 0; }
 """
 
 # Runs once when the output is shown. It finds its container by id, reads the JSON next to it,
 # hides the static table and builds the interactive view. Nothing is loaded from anywhere.
+#
+# The keyboard: the query tokens are one toolbar, a single Tab stop (roving tabindex: the
+# selected token has tabindex 0, the others -1); Left/Up and Right/Down move to the previous and
+# next token, Home and End to the first and last, and moving selects (as hovering shows). The
+# layer and head selects are ordinary controls. Each token is labelled "query i of n: token" and
+# marked aria-pressed when its weights are shown; a polite live region says in words what a
+# deliberate change (a key, a click, a select) now shows. Hovering only redraws.
 _JS = r"""
 (function () {
   var root = document.getElementById("ID");
@@ -254,31 +274,49 @@ _JS = r"""
       sel.appendChild(o);
     });
     if (extra) { var o = el("option", null, extra); o.value = names.length; sel.appendChild(o); }
-    sel.addEventListener("change", function () { state[key] = Number(sel.value); draw(); });
+    function pick() {
+      if (state[key] === Number(sel.value)) { return; }
+      state[key] = Number(sel.value);
+      draw("select");
+    }
+    sel.addEventListener("change", pick);
+    sel.addEventListener("input", pick);
     lab.appendChild(sel);
     controls.appendChild(lab);
     return sel;
   }
   selector("layer", data.layers, "layer");
   selector("head", data.heads, "head", nH > 1 ? "mean of the heads" : null);
-  view.appendChild(controls);
-  view.appendChild(el("div", "tta-label", "queries (hover, click or focus one; arrow keys move):"));
+  if (controls.firstChild) { view.appendChild(controls); }
+  view.appendChild(el("div", "tta-label", data.labels.hint));
   var qrow = el("div", "tta-row tta-queries");
+  qrow.setAttribute("role", "toolbar");
+  qrow.setAttribute("aria-label", data.labels.group);
   var qs = data.q.map(function (t, i) {
     var b = el("button", "tta-q", t);
     b.type = "button";
     b.dataset.i = i;
-    b.addEventListener("mouseenter", function () { state.query = i; draw(); });
-    b.addEventListener("mouseleave", function () { state.query = state.pinned; draw(); });
-    b.addEventListener("focus", function () { state.query = state.pinned = i; draw(); });
-    b.addEventListener("click", function () { state.query = state.pinned = i; draw(); });
-    b.addEventListener("keydown", function (e) {
-      var n = e.key === "ArrowRight" || e.key === "ArrowDown" ? i + 1
-        : e.key === "ArrowLeft" || e.key === "ArrowUp" ? i - 1 : -1;
-      if (n >= 0 && n < qs.length) { e.preventDefault(); qs[n].focus(); }
-    });
+    b.setAttribute("aria-label", data.labels.queries[i]);
+    b.addEventListener("mouseenter", function () { state.query = i; draw(null); });
+    b.addEventListener("mouseleave", function () { state.query = state.pinned; draw(null); });
+    b.addEventListener("focus", function () { select(i); });
+    b.addEventListener("click", function () { select(i); });
     qrow.appendChild(b);
     return b;
+  });
+  function select(i) {
+    state.query = state.pinned = i;
+    draw("query");
+  }
+  qrow.addEventListener("keydown", function (e) {
+    if (e.altKey || e.ctrlKey || e.metaKey) { return; }
+    var i = state.pinned, last = qs.length - 1;
+    var n = e.key === "ArrowRight" || e.key === "ArrowDown" ? Math.min(i + 1, last)
+      : e.key === "ArrowLeft" || e.key === "ArrowUp" ? Math.max(i - 1, 0)
+      : e.key === "Home" ? 0 : e.key === "End" ? last : -1;
+    if (n < 0) { return; }
+    e.preventDefault();
+    if (n !== i || document.activeElement !== qs[n]) { qs[n].focus(); }
   });
   view.appendChild(qrow);
   view.appendChild(el("div", "tta-label", "its weights over the keys:"));
@@ -293,13 +331,17 @@ _JS = r"""
   });
   view.appendChild(krow);
   var readout = el("div", "tta-readout");
-  readout.setAttribute("aria-live", "polite");
   view.appendChild(readout);
-  function draw() {
+  var live = el("div", "tta-live");
+  live.setAttribute("aria-live", "polite");
+  live.setAttribute("aria-atomic", "true");
+  view.appendChild(live);
+  function draw(announce) {
     var w = row(state.layer, state.head, state.query), best = 0;
     qs.forEach(function (b, i) {
       b.classList.toggle("tta-on", i === state.query);
       b.setAttribute("aria-pressed", i === state.query ? "true" : "false");
+      b.tabIndex = i === state.pinned ? 0 : -1;
     });
     ks.forEach(function (s, j) {
       var v = w[j];
@@ -312,14 +354,18 @@ _JS = r"""
         + " to key " + data.k[j];
     });
     var head = state.head < nH ? data.heads[state.head] : "mean of the heads";
-    readout.textContent = (nL > 1 ? data.layers[state.layer] + ", " : "") + head + ": query "
-      + data.q[state.query] + " puts its largest weight, " + w[best].toFixed(d) + ", on key "
-      + data.k[best] + ".";
+    var where = (nL > 1 ? data.layers[state.layer] + ", " : "") + head;
+    var most = data.q[state.query] + " attends most to " + data.k[best] + ", "
+      + w[best].toFixed(d);
+    readout.textContent = where + ": query " + data.q[state.query] + " puts its largest weight, "
+      + w[best].toFixed(d) + ", on key " + data.k[best] + ".";
+    // A new query is announced alone; a new layer or head says which one it is.
+    if (announce) { live.textContent = (announce === "select" ? where + ": " : "") + most; }
   }
   var stat = root.querySelector(".tta-static-block");
   if (stat) { stat.style.display = "none"; }
   root.appendChild(view);
-  draw();
+  draw(null);
 })();
 """
 
@@ -360,6 +406,19 @@ def _check_tokens(name: str, tokens: object, n: int, symbol: str) -> list[str]:
     return out
 
 
+def _explorer_labels(queries: list[str]) -> dict[str, object]:
+    """The words of the interactive view that say how to use it: the visible hint above the
+    query tokens, the accessible name of the tokens' toolbar, and each token's label."""
+    n = len(queries)
+    return {
+        "hint": "queries (hover or click one; from the keyboard, Tab to them, then use the "
+                "arrow keys, Home and End):",
+        "group": f"{n} quer{'y' if n == 1 else 'ies'}: the arrow keys, Home and End choose "
+                 "the one whose weights are shown",
+        "queries": [f"query {i + 1} of {n}: {t}" for i, t in enumerate(queries)],
+    }
+
+
 def _number(v: float, decimals: int) -> float:
     # round() then + 0.0 turns -0.0 into 0.0, so the JSON never says "-0.0".
     return round(v, decimals) + 0.0
@@ -378,11 +437,18 @@ def attention_explorer(
 ) -> AttentionExplorer:
     """Attention weights as an interactive, self-contained HTML view for a notebook or the book.
 
-    Hovering, clicking or focusing (keyboard) a query token colours the key tokens by the weight
-    that query gives them and writes each weight under its key; selectors choose the layer and
-    the head (or the mean of the heads). Without JavaScript (an untrusted notebook, a page with
-    scripts off) a static HTML table of the first layer's first head is shown instead. Nothing
-    is loaded from the network and no kernel is needed once the output is stored.
+    Hovering or clicking a query token colours the key tokens by the weight that query gives
+    them and writes each weight under its key; selectors choose the layer and the head (or the
+    mean of the heads). Without JavaScript (an untrusted notebook, a page with scripts off) a
+    static HTML table of the first layer's first head is shown instead. Nothing is loaded from
+    the network and no kernel is needed once the output is stored.
+
+    The keyboard: the query tokens are one Tab stop, a toolbar whose selected token alone has
+    ``tabindex="0"`` (the others ``-1``); Left/Up and Right/Down select the previous and next
+    query, Home and End the first and last. The layer and head selects are ordinary controls,
+    so an explorer has 1 + (number of selects) Tab stops. Each token is labelled "query i of n:
+    token" and is ``aria-pressed`` while its weights are shown, and a polite live region says
+    what a key press, a click or a select shows ("bites attends most to dog, 0.620").
 
     Args:
         weights: (h, L_q, L_k) or (layers, h, L_q, L_k) attention weights, a tensor or array
@@ -441,7 +507,7 @@ def attention_explorer(
     values = [[[[_number(v, decimals) for v in r] for r in m] for m in hd]
               for hd in w.double().tolist()]
     data = {"q": q, "k": k, "layers": lnames, "heads": hnames, "decimals": decimals,
-            "w": values}
+            "w": values, "labels": _explorer_labels(q)}
     payload = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
     # No "<", ">" or "&" inside the script element: a token such as "</script>" cannot end it
     # early, and "<eos>" reads the same to every parser. JSON.parse turns them back.
@@ -473,3 +539,380 @@ def attention_explorer(
     parts.append("<script>" + _JS.replace('"ID"', json.dumps(element_id)).strip() + "</script>")
     parts.append("</div>")
     return AttentionExplorer("\n".join(parts), element_id, (layers, heads, l_q, l_k))
+
+
+# ----------------------------------------------------------------------------- architecture figure
+# Colours of the boxes by what they hold, after the figure of Vaswani et al. (2017).
+_FILL = {"attention": "#fce3c0", "ff": "#cde8f6", "norm": "#f3f0b8", "embedding": "#f7d3dc",
+         "positions": "#ffffff", "output": "#ddd6ee", "outside": "#ffffff"}
+_FONT = 8.0  # points: the smallest text of the figure
+_LINE = _FONT * 1.25 / 72  # inches per line of text
+_GAP = 0.15  # inches between two boxes of a column (the arrow between them)
+
+
+@dataclass
+class _Box:
+    """One box of a column: its lines of text, its kind (the fill), dashed when the step is not
+    a module of the model drawn. ``add`` marks the residual addition (a circle)."""
+
+    lines: list[str]
+    kind: str
+    dashed: bool = False
+    add: bool = False
+    reads_memory: bool = False  # cross-attention: the encoder's output comes in from the side
+    residual_from: int | None = None  # the index of the box whose input the addition adds
+    y: float = 0.0  # bottom, set when the column is laid out
+    height: float = 0.0
+
+    @property
+    def top(self) -> float:
+        return self.y + self.height
+
+
+def _traced_sublayers(layer: nn.Module, memory: bool) -> list[tuple[str, nn.Module, bool]]:
+    """Run ``layer`` once on zeros and record, in the order its forward calls them, its children
+    that are not dropouts: ``(name, module, reads_memory)``. ``reads_memory`` is True for an
+    attention whose keys are the memory (cross-attention).
+
+    The run changes nothing: the layer is in eval mode for it (no dropout, no random numbers
+    drawn), gradients are off, and the weights an attention keeps (``attn_weights``) are put
+    back afterwards.
+    """
+    p = next(layer.parameters(), None)
+    dtype, device = (p.dtype, p.device) if p is not None else (torch.float32, None)
+    d_model = int(layer.d_model)
+    x = torch.zeros(1, 2, d_model, dtype=dtype, device=device)
+    mem = torch.zeros(1, 3, d_model, dtype=dtype, device=device)
+    calls: list[tuple[str, nn.Module, bool]] = []
+    handles = []
+    for name, child in layer.named_children():
+        if isinstance(child, nn.Dropout):
+            continue
+
+        def hook(module, args, output, name=name):
+            reads = memory and len(args) > 1 and args[1] is mem
+            calls.append((name, module, reads))
+
+        handles.append(child.register_forward_hook(hook))
+    modes = {m: m.training for m in layer.modules()}
+    kept = {m: m.attn_weights for m in layer.modules() if hasattr(m, "attn_weights")}
+    try:
+        layer.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            if memory:
+                layer(x, mem)
+            else:
+                layer(x)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+        for m, w in kept.items():
+            m.attn_weights = w
+    return calls
+
+
+def _layer_boxes(layer: nn.Module, decoder: bool) -> list[_Box]:
+    """The boxes of one encoder or decoder layer, bottom to top, in the order its forward
+    applies its sublayers: post-LN (sublayer, then add & norm) or pre-LN (norm, sublayer, add),
+    read from the order of the calls."""
+    from .attention import GroupedQueryAttention, MultiHeadAttention
+    from .layers import LayerNorm, PositionwiseFeedForward, RMSNorm
+
+    norms = (LayerNorm, RMSNorm, nn.LayerNorm, nn.RMSNorm)
+    calls = _traced_sublayers(layer, decoder)
+    kinds = ["norm" if isinstance(m, norms) else "sub" for _, m, _ in calls]
+    pre = len(kinds) > 0 and kinds[0] == "norm"
+    pattern = ["norm", "sub"] if pre else ["sub", "norm"]
+    if len(kinds) % 2 or any(k != pattern[i % 2] for i, k in enumerate(kinds)):
+        order = ", ".join(name for name, _, _ in calls)
+        raise ValueError(f"expected each sublayer of a {type(layer).__name__} to come with one "
+                         f"norm, before it (pre-LN) or after it (post-LN); its forward calls "
+                         f"{order}")
+
+    def sub_box(module: nn.Module, reads_memory: bool) -> _Box:
+        if isinstance(module, (MultiHeadAttention, GroupedQueryAttention)):
+            heads = f"h = {module.num_heads}"
+            if getattr(module, "num_kv_heads", module.num_heads) != module.num_heads:
+                heads += f", {module.num_kv_heads} key/value heads"
+            if reads_memory:
+                return _Box(["Multi-head cross-attention",
+                             f"{heads}; keys, values: encoder"], "attention", reads_memory=True)
+            what = "Masked multi-head self-attention" if decoder else "Multi-head self-attention"
+            return _Box([what, f"{heads}, d_k = {module.d_k}"], "attention")
+        if isinstance(module, PositionwiseFeedForward):
+            return _Box([f"Feed-forward, {module.activation}",
+                         f"{module.d_model} → {module.d_ff} → {module.d_model}"], "ff")
+        raise ValueError(f"expected the sublayers of a {type(layer).__name__} to be attention "
+                         f"or a PositionwiseFeedForward, got {type(module).__name__}")
+
+    boxes: list[_Box] = []
+    for i in range(0, len(calls), 2):
+        if pre:
+            (_, norm, _), (_, sub, reads) = calls[i], calls[i + 1]
+            first = len(boxes)
+            boxes.append(_Box([type(norm).__name__], "norm"))
+            boxes.append(sub_box(sub, reads))
+            boxes.append(_Box(["+"], "norm", add=True, residual_from=first))
+        else:
+            (_, sub, reads), (_, norm, _) = calls[i], calls[i + 1]
+            first = len(boxes)
+            boxes.append(sub_box(sub, reads))
+            boxes.append(_Box([f"Add & {type(norm).__name__}"], "norm", residual_from=first))
+    return boxes
+
+
+def _stack_layers(stack: nn.Module, name: str, decoder: bool) -> tuple[int, list[_Box]]:
+    """N and the boxes of the stack's layer; every layer must draw the same."""
+    layers = list(getattr(stack, "layers", []))
+    if not layers:
+        raise ValueError(f"expected the {name} to have layers, got none")
+    drawn = [_layer_boxes(layer, decoder) for layer in layers]
+    for i, boxes in enumerate(drawn[1:], start=1):
+        if [b.lines for b in boxes] != [b.lines for b in drawn[0]]:
+            raise ValueError(f"expected every layer of the {name} to be alike (the figure draws "
+                             f"one layer N times), but layer {i} differs from layer 0")
+    return len(layers), drawn[0]
+
+
+def _embedding_boxes(embed: nn.Module | None, side: str, d_model: int,
+                     shared: bool) -> list[_Box]:
+    """Token embedding and positions of one side, or a dashed box for a bare Transformer."""
+    from .positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+
+    if embed is None:
+        return [_Box([f"{side} vectors, width {d_model}", "embedding + positions"], "outside",
+                     dashed=True)]
+    tokens = embed.tokens
+    scaled = " × √d_model" if tokens.scale != 1.0 else ""
+    boxes = [_Box([f"Token embedding{scaled}",
+                   "shared with the source" if shared
+                   else f"V = {tokens.vocab_size}, d_model = {tokens.d_model}"], "embedding")]
+    positions = embed.positions
+    if isinstance(positions, SinusoidalPositionalEncoding):
+        boxes.append(_Box(["+ sinusoidal positional encoding"], "positions"))
+    elif isinstance(positions, LearnedPositionalEmbedding):
+        boxes.append(_Box(["+ learned positional embedding"], "positions"))
+    elif positions is not None:
+        boxes.append(_Box([f"+ {type(positions).__name__}"], "positions"))
+    return boxes
+
+
+def _output_boxes(head: nn.Module | None, d_model: int) -> list[_Box]:
+    if head is None:
+        return [_Box([f"output vectors, width {d_model}", "linear + softmax"], "outside",
+                     dashed=True)]
+    if getattr(head, "tied", False):
+        table = head.embedding[0].weight
+        box = _Box([f"Linear {table.shape[1]} → {table.shape[0]}",
+                    "tied: the embedding, transposed"], "output")
+    else:
+        proj = head.proj
+        box = _Box([f"Linear {proj.in_features} → {proj.out_features}"], "output")
+    return [box, _Box(["Softmax (in the loss and in decoding)"], "outside", dashed=True)]
+
+
+def _parts(model: object) -> tuple[nn.Module, nn.Module | None, nn.Module | None,
+                                   nn.Module | None]:
+    """(transformer, source embedding, target embedding, output head) of ``model``, or a
+    ValueError saying what the figure expects."""
+    from .transformer import Decoder, Encoder, Transformer
+
+    expected = ("a utils.transformer.Transformer, or a model that holds one as .transformer "
+                "(utils.models.Seq2SeqTransformer)")
+    if isinstance(model, nn.Transformer):
+        raise ValueError(f"architecture_figure expects {expected}, got torch's nn.Transformer; "
+                         "copy it first with utils.transformer.Transformer.from_torch")
+    if isinstance(model, Transformer):
+        core, src, tgt, head = model, None, None, None
+    elif isinstance(getattr(model, "transformer", None), Transformer):
+        core = model.transformer
+        src, tgt = getattr(model, "src_embed", None), getattr(model, "tgt_embed", None)
+        head = getattr(model, "head", None)
+    else:
+        missing = ""
+        if isinstance(model, nn.Module) and not any(
+                isinstance(m, Decoder) for m in model.modules()):
+            missing = ", which has no decoder"
+        raise ValueError(f"architecture_figure draws an encoder-decoder Transformer: it "
+                         f"expects {expected}, got {type(model).__name__}{missing}")
+    for part, cls in (("encoder", Encoder), ("decoder", Decoder)):
+        if not isinstance(getattr(core, part, None), cls):
+            raise ValueError(f"architecture_figure expects the Transformer's {part} to be a "
+                             f"utils.transformer.{cls.__name__}, got "
+                             f"{type(getattr(core, part, None)).__name__}")
+    return core, src, tgt, head
+
+
+def architecture_figure(model: nn.Module, title: str | None = None,
+                        width: float = 6.6) -> Figure:
+    """Draw an encoder-decoder Transformer as the classic diagram, read from its own modules.
+
+    Encoder on the left, decoder on the right, inputs at the bottom: the source and target
+    token embeddings and positional encodings; the encoder layer with its sublayers in the
+    order its ``forward`` applies them (found by running the layer once on zeros and recording
+    the calls): self-attention with its number of heads, feed-forward d_model → d_ff → d_model
+    with its activation, each with its residual connection and norm, drawn as "Add & Norm"
+    after the sublayer (post-LN) or as a norm before it and an addition after it (pre-LN); the
+    same for the decoder layer, with masked self-attention and cross-attention, whose keys and
+    values come from the encoder's output (an arrow from the encoder); N× beside each stack;
+    the final norms if the stacks have them; the output projection and the softmax. Every
+    count and name is read from the modules, so the figure cannot drift from the code. Dashed
+    boxes are steps that no module of ``model`` computes (a bare `Transformer` has no
+    embeddings and no output projection; the softmax lives in the loss and in decoding).
+
+    Drawing runs each layer once on zeros, in eval mode and without gradients; it draws no
+    random numbers and leaves the model as it was (train/eval mode, kept attention weights).
+    A model on PyTorch's meta device (shapes, no numbers) can be drawn too.
+
+    Args:
+        model: a `utils.transformer.Transformer`, or a model holding one as ``.transformer``
+            with ``src_embed``, ``tgt_embed`` and ``head`` (`utils.models.Seq2SeqTransformer`).
+        title: the figure's title; by default the model's class, depths and d_model.
+        width: the figure's width in inches, 5.5 to 6.7 (the book's column is 6.7 inches at
+            100 dpi); the height follows from the number of boxes.
+
+    Returns:
+        The matplotlib figure.
+
+    Raises:
+        ValueError: for a model this cannot draw, naming what it expected: torch's own
+            ``nn.Transformer`` (copy it with ``Transformer.from_torch``), a model without a
+            decoder (`utils.models.DecoderOnlyLM`, an `Encoder`), layers that differ from one
+            another, or a layer whose sublayers do not each come with one norm.
+        InputTypeError: for a title that is not a string or a width that is not a number.
+    """
+    core, src_embed, tgt_embed, head = _parts(model)
+    if title is not None:
+        _check_text("title", title)
+    width = require_real("width", width)
+    if not 5.5 <= width <= 6.7:
+        raise ValueError(f"width must be between 5.5 and 6.7 inches, got {width}")
+    d_model = int(core.d_model)
+    n_enc, enc_boxes = _stack_layers(core.encoder, "encoder", decoder=False)
+    n_dec, dec_boxes = _stack_layers(core.decoder, "decoder", decoder=True)
+    pre = any(b.add for b in enc_boxes)
+    shared = src_embed is not None and src_embed is tgt_embed
+    if title is None:
+        title = (f"{type(model).__name__}: {n_enc} + {n_dec} layers, d_model = {d_model}, "
+                 f"{'pre' if pre else 'post'}-LN")
+
+    def final(stack: nn.Module) -> list[_Box]:
+        norm = getattr(stack, "norm", None)
+        return [] if norm is None else [_Box([f"{type(norm).__name__} (final)"], "norm")]
+
+    enc_in = _embedding_boxes(src_embed, "source", d_model, False)
+    dec_in = _embedding_boxes(tgt_embed, "target", d_model, shared)
+    enc_top, dec_top = final(core.encoder), final(core.decoder) + _output_boxes(head, d_model)
+
+    # Columns, in inches: the encoder's residual lines run on its left, the decoder's on its
+    # right, and the memory's arrow between the two stacks.
+    box_w = (width - 2.0) / 2
+    enc_x = 0.8
+    dec_x = width - 0.8 - box_w
+    lane = (enc_x + box_w + dec_x) / 2
+
+    def height(b: _Box) -> float:
+        return 0.2 if b.add else _LINE * len(b.lines) + 0.14
+
+    def stack_up(boxes: list[_Box], y: float) -> float:
+        for b in boxes:
+            b.height = height(b)
+            b.y = y
+            y = b.top + _GAP
+        return y - _GAP
+
+    pad = 0.12  # inside the frame of a stack
+    bottom = 0.75  # room for the input captions and the key to the dashed boxes
+    columns = {}
+    for side, inputs, layer, outputs in (("enc", enc_in, enc_boxes, enc_top),
+                                         ("dec", dec_in, dec_boxes, dec_top)):
+        y = stack_up(inputs, bottom)
+        frame_bottom = y + _GAP
+        y = stack_up(layer, frame_bottom + pad)
+        frame_top = y + pad
+        y = stack_up(outputs, frame_top + _GAP) if outputs else frame_top
+        columns[side] = (inputs, layer, outputs, frame_bottom, frame_top, y)
+    top = max(c[5] for c in columns.values())
+    total_h = top + 0.45 + 0.3  # the output caption and the title
+
+    fig = plt.figure(figsize=(width, total_h))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, total_h)
+    ax.axis("off")
+    text_kw = dict(ha="center", va="center", fontsize=_FONT, color="black")
+    arrow_kw = dict(arrowstyle="-|>", mutation_scale=8, color="0.25", lw=0.9,
+                    shrinkA=0, shrinkB=0)
+
+    def arrow(points: list[tuple[float, float]]) -> None:
+        for a, b in zip(points[:-2], points[1:-1], strict=True):
+            ax.plot([a[0], b[0]], [a[1], b[1]], color="0.25", lw=0.9, solid_capstyle="butt")
+        ax.add_patch(FancyArrowPatch(points[-2], points[-1], **arrow_kw))
+
+    def draw_box(b: _Box, x: float) -> None:
+        cx = x + box_w / 2
+        if b.add:
+            ax.add_patch(Circle((cx, b.y + 0.1), 0.1, facecolor=_FILL["norm"],
+                                edgecolor="0.2", lw=0.9))
+            ax.text(cx, b.y + 0.1, "+", **{**text_kw, "fontsize": 9})
+            return
+        ax.add_patch(FancyBboxPatch((x, b.y), box_w, b.height,
+                                    boxstyle="round,pad=0,rounding_size=0.05",
+                                    facecolor=_FILL[b.kind], edgecolor="0.2", lw=0.9,
+                                    linestyle="--" if b.dashed else "-"))
+        ax.text(cx, b.y + b.height / 2, "\n".join(b.lines), linespacing=1.25, **text_kw)
+
+    for side, x in (("enc", enc_x), ("dec", dec_x)):
+        inputs, layer, outputs, f_bottom, f_top, _ = columns[side]
+        cx = x + box_w / 2
+        everything = inputs + layer + outputs
+        for b in everything:
+            draw_box(b, x)
+        # The main flow: an arrow into the first box, then from each box to the next.
+        arrow([(cx, bottom - 0.22), (cx, everything[0].y)])
+        for a, b in zip(everything, everything[1:], strict=False):
+            arrow([(cx, a.top), (cx, b.y)])
+        if side == "dec":
+            arrow([(cx, everything[-1].top), (cx, everything[-1].top + 0.22)])
+        # The stack: a frame around the layer and N× beside it.
+        fx = x - 0.3 if side == "enc" else x - 0.1
+        ax.add_patch(FancyBboxPatch((fx, f_bottom), box_w + 0.4, f_top - f_bottom,
+                                    boxstyle="round,pad=0,rounding_size=0.1",
+                                    facecolor="#f4f4f4", edgecolor="0.45", lw=0.9, zorder=0))
+        n = n_enc if side == "enc" else n_dec
+        nx = fx - 0.2 if side == "enc" else fx + box_w + 0.4 + 0.2
+        ax.text(nx, (f_bottom + f_top) / 2, f"{n}×", **{**text_kw, "fontsize": 10})
+        # Residual connections: from just below the sublayer's input to the addition.
+        rx = x - 0.15 if side == "enc" else x + box_w + 0.15
+        for b in layer:
+            if b.residual_from is None:
+                continue
+            start = layer[b.residual_from].y - _GAP / 2
+            end_x = x if side == "enc" else x + box_w
+            if b.add:
+                end_x = cx - 0.1 if side == "enc" else cx + 0.1
+            y_end = b.y + b.height / 2
+            ax.plot([cx, rx, rx], [start, start, y_end], color="0.25", lw=0.9)
+            ax.add_patch(FancyArrowPatch((rx, y_end), (end_x, y_end), **arrow_kw))
+    # The memory: from the encoder's output to every cross-attention of the decoder.
+    enc_cx = enc_x + box_w / 2
+    enc_out = columns["enc"][2][-1].top if columns["enc"][2] else columns["enc"][4]
+    for b in dec_boxes:
+        if b.reads_memory:
+            y = b.y + b.height / 2
+            up = enc_out + 0.2
+            ax.plot([enc_cx, enc_cx, lane, lane], [enc_out, up, up, y], color="0.25", lw=0.9)
+            ax.add_patch(FancyArrowPatch((lane, y), (dec_x, y), **arrow_kw))
+            ax.text(enc_cx - 0.06, up, "encoder output (memory)", **{**text_kw, "ha": "right"})
+    ax.text(enc_x + box_w / 2, bottom - 0.32, "source tokens" if src_embed else "source",
+            **text_kw)
+    ax.text(dec_x + box_w / 2, bottom - 0.32,
+            "target tokens, shifted right" if tgt_embed else "target, shifted right", **text_kw)
+    ax.text(dec_x + box_w / 2, top + 0.32,
+            "next-token probabilities" if head is not None else "output", **text_kw)
+    ax.text(width / 2, total_h - 0.2, title, **{**text_kw, "fontsize": 10})
+    ax.text(width / 2, 0.14, f"dashed: a step that no module of {type(model).__name__} computes",
+            **{**text_kw, "color": "0.3"})
+    return fig

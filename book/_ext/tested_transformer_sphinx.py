@@ -1,40 +1,45 @@
-"""Sphinx additions of The Tested Transformer, loaded through ``sphinx.local_extensions`` in
-_config.yml.
+"""Sphinx additions of The Tested Transformer, loaded through
+``sphinx.local_extensions`` in _config.yml.
 
-- ``authoryear``: a pybtex style whose bibliography labels read as the citations in the text do
-  ("Vaswani et al., 2017", not "[VSP+17]"), sorted by author, year and title.
-- Inline scripts written twice into a page (sphinx-thebe's settings, sphinx-togglebutton's
-  selector: Sphinx keeps both the copy an extension registers before the builder exists and
-  the copy it adds to the builder, whose empty file name differs, None and "") are written
-  once. A second copy
-  of ``const THEBE_JS_URL = ...`` is a SyntaxError in the browser's console.
+- ``authoryear``: a pybtex style whose bibliography labels read as the citations in
+  the text do ("Vaswani et al., 2017", not "[VSP+17]"), sorted by author, year and
+  title.
+- Inline scripts written twice into a page are written once: sphinx-thebe's settings
+  and sphinx-togglebutton's selector. Sphinx keeps both the copy that an extension
+  registers before the builder exists and the copy it adds to the builder, because
+  their empty file names differ (None and ""). A second ``const THEBE_JS_URL = ...``
+  is a SyntaxError in the browser's console.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
+import latexcodec  # noqa: F401 (registers the "ulatex" codec)
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.sorting.author_year_title import SortingStyle
 
 
+def _plain(text: str) -> str:
+    """BibTeX's LaTeX as Unicode text: ``Veli{\\v{c}}kovi{\\'c}`` -> ``Veličković``."""
+    return codecs.decode(text, "ulatex").replace("{", "").replace("}", "")
+
+
 def _last_names(entry) -> list[str]:
     people = entry.persons.get("author") or entry.persons.get("editor") or []
-    names = []
-    for person in people:
-        last = " ".join(person.prelast_names + person.last_names)
-        names.append(last.replace("{", "").replace("}", ""))
-    return names
+    return [_plain(" ".join(p.prelast_names + p.last_names)) for p in people]
 
 
 def author_year_label(entry) -> str:
-    """"Clark et al., 2019", "Ba and Kiros, 2016", "Vaswani, 2017": as the text cites it."""
+    """The label as the text cites the work: "Clark et al., 2019", "Ba and Kiros,
+    2016", "Vaswani, 2017"."""
     names = _last_names(entry)
     year = entry.fields.get("year", "n.d.")
     if not names:
-        who = entry.fields.get("title", entry.key).split(":")[0]
+        who = _plain(entry.fields.get("title", entry.key)).split(":")[0]
     elif len(names) == 1:
         who = names[0]
     elif len(names) == 2:
@@ -68,7 +73,7 @@ class AuthorYearStyle(UnsrtStyle):
 register_plugin("pybtex.style.formatting", "authoryear", AuthorYearStyle)
 
 
-def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctree) -> None:
+def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctree):
     scripts = context.get("script_files")
     if not scripts:
         return
@@ -76,8 +81,7 @@ def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctre
     for js in scripts:
         attributes = getattr(js, "attributes", {}) or {}
         body = attributes.get("body")
-        # The same script is registered once with filename None and once with "" (when an
-        # extension adds it after the builder exists): compare the two as equal.
+        # Registered once with the file name None and once with "": the same script.
         key = (str(getattr(js, "filename", "") or ""), body) if body else None
         if key is not None and key in seen:
             continue

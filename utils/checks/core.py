@@ -23,6 +23,7 @@ import itertools
 import math
 import random
 import signal
+import textwrap
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -104,8 +105,14 @@ class CaseResult:
     flag: str = ""  # "timeout", "crashed", "reference used" when one applies
 
     def line(self) -> str:
-        """The one line printed for this case."""
+        """The one line that reports this case."""
         return f"[PASS] {self.name}" if self.passed else f"[FAIL] {self.name}: {self.hint}"
+
+    def printed(self, width: int = 88) -> str:
+        """``line()`` wrapped to ``width`` characters (the book's column holds 88), the lines
+        after the first indented under the case's name."""
+        return textwrap.fill(self.line(), width=width, subsequent_indent=" " * 7,
+                             break_long_words=False, break_on_hyphens=False)
 
 
 @dataclass
@@ -785,5 +792,5 @@ def run_in_process(checker: Checker, obj: Any, verbose: bool = True,
         result.cases.append(checker.result(case, hint, "timeout" if raw["status"] == "timeout"
                                            else ""))
     if verbose:  # printed at once, so that a notebook stores it as one output
-        print("\n".join([c.line() for c in result.cases] + [result.summary()]))
+        print("\n".join([c.printed() for c in result.cases] + [result.summary()]))
     return result
