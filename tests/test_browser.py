@@ -443,6 +443,17 @@ def leaving_requests(visit: Visit) -> list[str]:
     return bad
 
 
+def leave_cleanly(driver, visit: Visit) -> None:
+    """Leave the page of `visit` for about:blank, record its requests and console, and fail if
+    it reached outside the book or wrote an error or warning."""
+    time.sleep(0.2)  # let a request started by the last action reach the log
+    driver.get("about:blank")
+    _drain_network(driver, visit)
+    visit.console = driver.get_log("browser")
+    assert not leaving_requests(visit), f"{visit.name}: requests outside the book"
+    assert not console_errors(visit), f"{visit.name}: console errors {console_errors(visit)}"
+
+
 def console_errors(visit: Visit) -> list[str]:
     """Every error and warning the page wrote to the console (none is allowed)."""
     return [f"{e['level']}: {e['message']}" for e in visit.console
@@ -1052,12 +1063,7 @@ def test_attention_explorers_work_offline(book_url, browser):
                 assert c["key"] >= 3.0, f"{where}, {theme}: highlighted key contrast {c}"
             browser.execute_script("document.documentElement.dataset.theme = 'light';")
 
-        time.sleep(0.2)
-        browser.get("about:blank")
-        _drain_network(browser, visit)
-        visit.console = browser.get_log("browser")
-        assert not leaving_requests(visit), f"{page}: requests outside the book"
-        assert not console_errors(visit), f"{page}: console errors {console_errors(visit)}"
+        leave_cleanly(browser, visit)
 
 
 # ----------------------------------------------------------------------------- the checks can fail

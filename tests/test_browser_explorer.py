@@ -30,11 +30,9 @@ from test_browser import (  # noqa: F401 - book_url and browser are fixtures
     READ_EXPLORERS,
     READ_SHOWN,
     Visit,
-    _drain_network,
     book_url,
     browser,
-    console_errors,
-    leaving_requests,
+    leave_cleanly,
 )
 
 pytestmark = [pytest.mark.book, pytest.mark.browser]
@@ -244,12 +242,7 @@ def test_attention_explorers_by_keyboard(book_url, browser):  # noqa: F811 - fix
     for page, count in EXPLORER_PAGES.items():
         visit = Visit(name=page, url=urljoin(book_url, f"{page}.html"))
         check_page(browser, visit.url, page, count)
-        time.sleep(0.2)
-        browser.get("about:blank")
-        _drain_network(browser, visit)
-        visit.console = browser.get_log("browser")
-        assert not leaving_requests(visit), f"{page}: requests outside the book"
-        assert not console_errors(visit), f"{page}: console errors {console_errors(visit)}"
+        leave_cleanly(browser, visit)
 
 
 def check_page(driver, url: str, page: str, count: int | None = None) -> None:
