@@ -1,5 +1,6 @@
 """Tests of the fast attention functions of utils.attention: `memory_efficient_attention` (blocks
-and the online softmax) and `local_attention` (banded attention in O(L * window)).
+and the online softmax), `local_attention` (banded attention in O(L * window)) and
+`split_k_attention` (the keys split into chunks combined by log-sum-exp, as in Flash-Decoding).
 
 Both are compared with the plain `scaled_dot_product_attention`, itself tested against PyTorch in
 tests/test_attention_sdpa.py.
@@ -14,6 +15,7 @@ from utils.attention import (
     local_attention,
     memory_efficient_attention,
     scaled_dot_product_attention,
+    split_k_attention,
 )
 from utils.masks import causal_mask, local_mask
 
@@ -295,6 +297,86 @@ def test_local_empty():
     assert local_attention(q, k, v, 2).shape == (2, 0, 4)
 
 
+SPLITS = [1, 2, 3, 4, 7, 64, 200]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("shape", "mask_kind"), SHAPE_MASKS)
+def test_split_k_matches_plain(shape, mask_kind, dtype):
+    batch, l_q, l_k, d_k, d_v = shape
+    q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, dtype=dtype)
+    mask = _mask(mask_kind, batch, l_q, l_k)
+    expected = _plain(q, k, v, mask)
+    for splits in SPLITS:  # some do not divide L_k, some exceed it (empty chunks)
+        out = split_k_attention(q, k, v, splits, mask)
+        assert out.shape == expected.shape and out.dtype == dtype
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0,
+                                   msg=f"num_splits={splits}")
+
+
+def test_split_k_one_query_against_torch():
+    # decoding: one query per sequence and head against a long cache, scores spread wide
+    q, k, v = _qkv((2, 4), 1, 1000, 16, 16, seed=3)
+    k = 4 * k
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    for splits in (1, 8, 13, 1000):
+        torch.testing.assert_close(split_k_attention(q, k, v, splits), expected, atol=1e-5,
+                                   rtol=0)
+
+
+def test_split_k_chunks_matter():
+    # Combining the chunks without their log-sum-exp weights (a plain mean of the chunk
+    # averages) is wrong: the test above would catch a function that forgot the rescaling.
+    q, k, v = _qkv((), 1, 40, 8, 4, seed=4)
+    k = k.clone()
+    k[:20] *= 5  # the first chunk's scores dominate
+    chunk_means = torch.stack([_plain(q, k[i:i + 20], v[i:i + 20]) for i in (0, 20)]).mean(0)
+    out = split_k_attention(q, k, v, 2)
+    torch.testing.assert_close(out, _plain(q, k, v), atol=1e-5, rtol=0)
+    assert (out - chunk_means).abs().max() > 1e-2
+
+
+def test_split_k_fully_masked_rows_and_gradients():
+    q, k, v = _qkv((2,), 6, 30, 8, 4, seed=5, grad=True)
+    mask = torch.rand(6, 30, generator=torch.Generator().manual_seed(0)) > 0.7
+    mask[1] = False  # no key at all
+    mask[4] = False
+    mask[4, -1] = True  # only the last key: every chunk but the last is empty
+    out = split_k_attention(q, k, v, 4, mask)
+    assert (out[:, 1] == 0).all() and not out.isnan().any()
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(_plain(q, k, v, mask).square().sum(), (q, k, v))
+    for ours, ref in zip(grads, expected, strict=True):
+        assert not ours.isnan().any()
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_split_k_degenerate_sizes():
+    q, k, v = _qkv((2,), 3, 0, 4, 5)
+    assert torch.equal(split_k_attention(q, k, v, 4), torch.zeros(2, 3, 5))
+    q, k, v = _qkv((2,), 0, 6, 4, 5)
+    assert split_k_attention(q, k, v, 4).shape == (2, 0, 5)
+
+
+def test_split_k_errors():
+    q, k, v = _qkv((2,), 1, 5, 3, 3)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="num_splits"):
+            split_k_attention(q, k, v, bad)
+    for bad in (2.0, True, "4"):
+        with pytest.raises(TypeError, match="num_splits"):
+            split_k_attention(q, k, v, bad)
+    with pytest.raises(ValueError, match="d_k"):
+        split_k_attention(q, k[..., :2], v)
+    with pytest.raises(ValueError, match="mask"):
+        split_k_attention(q, k, v, 2, torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool"):
+        split_k_attention(q, k, v, 2, torch.ones(1, 5))
+    with pytest.raises(TypeError, match="dtype"):
+        split_k_attention(q, k.double(), v)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fast_attention_on_cuda():
     q, k, v = (t.cuda() for t in _qkv((2, 2), 50, 50, 8, 8))
@@ -306,3 +388,6 @@ def test_fast_attention_on_cuda():
     assert out.device == q.device
     torch.testing.assert_close(out, _plain(q, k, v, local_mask(50, 5, True, device="cuda")),
                                atol=1e-5, rtol=0)
+    out = split_k_attention(q, k, v, 4, mask)
+    assert out.device == q.device
+    torch.testing.assert_close(out, _plain(q, k, v, mask), atol=1e-5, rtol=0)

@@ -961,3 +961,78 @@ def local_attention(
 
 
 __all__ += ["memory_efficient_attention", "local_attention"]
+
+
+def split_k_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_splits: int = 4,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with the keys split into chunks, each chunk's softmax computed on its own and the
+    partial results combined by their log-sum-exp: the idea of Flash-Decoding (split-K).
+
+    The L_k keys and values are cut into ``num_splits`` chunks of ``ceil(L_k / num_splits)``
+    positions (the last one shorter, padded and masked). For every chunk c and query row, on its
+    own: the largest score ``m_c``, ``l_c = sum exp(s - m_c)``, the chunk's softmax average
+    ``o_c = sum exp(s - m_c) v / l_c`` and its log-sum-exp ``lse_c = m_c + log l_c``. The chunks
+    do not depend on each other (on a GPU they run in parallel, which is the point when there is
+    a single query per sequence); the combination is
+
+        lse = log sum_c exp(lse_c),    output = sum_c exp(lse_c - lse) o_c,
+
+    the rescaling of the online softmax applied once, to whole chunks. All chunks are computed at
+    once here, as one batched matrix product of shape (..., num_splits, L_q, chunk): the memory
+    is that of plain attention; what the function shows is that the split changes nothing.
+
+    Args:
+        q: queries, shape (..., L_q, d_k), floating point; in decoding L_q = 1.
+        k: keys, shape (..., L_k, d_k), the dtype and device of ``q`` (the cache).
+        v: values, shape (..., L_k, d_v).
+        num_splits: how many chunks to cut the keys into, an int >= 1; more chunks than keys
+            leaves some chunks empty, which is allowed (they weigh 0).
+        mask: optional bool tensor broadcastable to (..., L_q, L_k), True = may attend.
+
+    Returns:
+        The output (..., L_q, d_v), equal to ``scaled_dot_product_attention(q, k, v, mask)[0]``
+        up to rounding. A query row with no allowed key gets zeros, never NaN.
+
+    Raises:
+        InputTypeError, ValueError: as `scaled_dot_product_attention`, and for a ``num_splits``
+            that is not an int >= 1.
+    """
+    batch, mask = _check_qkv_tensors(q, k, v, mask)
+    if isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
+    num_splits = require_int("num_splits", num_splits, minimum=1)
+    l_q, l_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
+    if l_k == 0 or l_q == 0 or math.prod(batch) == 0:
+        return torch.zeros((*batch, l_q, d_v), dtype=q.dtype, device=q.device)
+    chunk = -(-l_k // num_splits)
+    padded = chunk * num_splits
+    allowed = torch.ones(l_q, l_k, dtype=torch.bool, device=q.device) if mask is None else mask
+    allowed = F.pad(allowed, (0, padded - l_k), value=False)  # padding keys: never allowed
+    # (..., num_splits, chunk, d) for keys and values; the mask (..., num_splits, L_q, chunk)
+    k_chunks = F.pad(k, (0, 0, 0, padded - l_k)).unflatten(-2, (num_splits, chunk))
+    v_chunks = F.pad(v, (0, 0, 0, padded - l_k)).unflatten(-2, (num_splits, chunk))
+    m_chunks = allowed.unflatten(-1, (num_splits, chunk)).movedim(-2, -3)
+    scores = (q.unsqueeze(-3) / math.sqrt(q.shape[-1])) @ k_chunks.transpose(-2, -1)
+    scores = scores.masked_fill(~m_chunks, float("-inf"))  # (..., num_splits, L_q, chunk)
+
+    # Each chunk on its own: its maximum, sum of exponentials and softmax average.
+    m = scores.amax(dim=-1, keepdim=True).detach()
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # an all-masked chunk: 0
+    p = torch.exp(scores - m_safe)  # masked entries exactly 0
+    l_sum = p.sum(dim=-1, keepdim=True)
+    o = (p @ v_chunks) / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
+    lse = m_safe + torch.log(l_sum)  # -inf for a chunk with no allowed key
+
+    # Combine: weights exp(lse_c - lse) over the chunks, summing to 1 (0 if no chunk has a key).
+    lse_all = torch.logsumexp(lse, dim=-3, keepdim=True)
+    lse_all = torch.where(torch.isinf(lse_all), torch.zeros_like(lse_all), lse_all)
+    weights = torch.exp(lse - lse_all)  # (..., num_splits, L_q, 1)
+    return (weights * o).sum(dim=-3)
+
+
+__all__ += ["split_k_attention"]
