@@ -22,7 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from notebooks import BOOK, ROOT
+from notebooks import BOOK
 
 CHAPTERS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
 IDS = [p.stem for p in CHAPTERS]
@@ -91,8 +91,7 @@ def test_glued_values_are_hidden(path):
         if out["metadata"]["scrapbook"].get("mime_prefix") != GLUE_PREFIX
     ]
     assert not shown, (
-        f"glue these keys with display=False, so that the cell shows only what it prints: "
-        f"{shown}"
+        f"glue these keys hidden (utils.glue.glue), so that the cell shows what it prints: {shown}"
     )
 
 

@@ -28,10 +28,10 @@ _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 def glue_bundle(name: str, value: Any) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """The (data, metadata) of the hidden display output that glues ``value`` under ``name``.
 
-    ``value`` is a number (an int or a finite float, NumPy's included), a bool or a string; its ``repr`` is what the
-    book pastes (a string's quotes are removed when it is pasted). Raises ``ValueError`` for a
-    key that myst-nb's roles cannot name (empty, or with ``:`` or spaces), for a non-finite
-    float, and for any other type.
+    ``value`` is a number (an int or a finite float, NumPy's included), a bool or a string;
+    its ``repr`` is what the book pastes (a string's quotes are removed when it is pasted).
+    Raises ``ValueError`` for a key that myst-nb's roles cannot name (empty, or with ``:`` or
+    spaces), for a non-finite float, and for any other type.
     """
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise ValueError(
