@@ -69,6 +69,23 @@ def test_seq2seq_is_causal_and_ignores_source_padding():
     assert not torch.allclose(model(src, tgt), model(noisy, tgt), atol=1e-3)
 
 
+def test_seq2seq_output_does_not_depend_on_how_much_source_padding():
+    # Chapter 9's exercise on the memory mask relies on this: with the source padding mask,
+    # padding a batch further changes nothing at the real positions.
+    model = Seq2SeqTransformer(V, V, d_model=16, nhead=2).eval()
+    src, src_mask, tgt, tgt_mask = _src_tgt()
+    more = 5
+    src_long = torch.cat([src, torch.full((src.shape[0], more), PAD)], dim=1)
+    mask_long = torch.cat([src_mask, torch.zeros(src.shape[0], more, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        base = model(src, tgt, src_mask, tgt_mask)
+        padded = model(src_long, tgt, mask_long, tgt_mask)
+        unmasked = model(src_long, tgt, None, tgt_mask), model(src, tgt, None, tgt_mask)
+    assert torch.allclose(base, padded, atol=1e-5)
+    # Without the mask, more padding means more keys that take weight: the output moves.
+    assert not torch.allclose(*unmasked, atol=1e-3)
+
+
 def test_seq2seq_output_tying_and_sharing():
     tied = Seq2SeqTransformer(V, V, d_model=16, nhead=2)
     untied = Seq2SeqTransformer(V, V, d_model=16, nhead=2, tie_output=False)

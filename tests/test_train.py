@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from utils import seed_everything
+from utils._validation import InputTypeError
 from utils.data import PAD, MissingDigitTask, ReversalTask, SortingTask
 from utils.decoding import generate, greedy_decode
 from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer
@@ -21,6 +22,8 @@ from utils.train import (
     token_accuracy,
     token_cross_entropy,
     train,
+    transformer_lr,
+    transformer_lr_scheduler,
     warmup_linear_decay,
 )
 
@@ -34,6 +37,61 @@ def test_warmup_linear_decay():
     assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False))
     with pytest.raises(ValueError, match="warmup"):
         warmup_linear_decay(0, 5, 4)
+
+
+def test_transformer_lr_is_the_papers_formula():
+    d, w = 512, 4000
+    for step in (1, 10, 1000, 3999, 4000, 4001, 10_000, 100_000):
+        expected = d**-0.5 * min(step**-0.5, step * w**-1.5)
+        assert transformer_lr(step, d, w) == pytest.approx(expected, rel=1e-12)
+    # linear during the warm-up: the rate is proportional to the step
+    assert transformer_lr(2000, d, w) == pytest.approx(2 * transformer_lr(1000, d, w))
+    # inverse square root after it: four times the step, half the rate
+    assert transformer_lr(40_000, d, w) == pytest.approx(transformer_lr(10_000, d, w) / 2)
+    assert transformer_lr(1, 512) == transformer_lr(1, 512, 4000)  # the paper's default
+
+
+@pytest.mark.parametrize("d_model, warmup", [(512, 4000), (32, 100), (1024, 1), (64, 7)])
+def test_transformer_lr_peaks_at_the_end_of_warmup(d_model, warmup):
+    steps = range(1, 4 * warmup + 10)
+    rates = [transformer_lr(s, d_model, warmup) for s in steps]
+    peak = max(rates)
+    assert rates.index(peak) + 1 == warmup
+    assert peak == pytest.approx(d_model**-0.5 * warmup**-0.5, rel=1e-12)
+    assert all(a < b for a, b in zip(rates[: warmup - 1], rates[1:warmup], strict=True))
+    assert all(a > b for a, b in zip(rates[warmup - 1 :], rates[warmup:], strict=False))
+
+
+def test_transformer_lr_rejects_bad_arguments():
+    for bad in ({"step": 0}, {"step": -3}, {"d_model": 0}, {"warmup_steps": 0}):
+        args = {"step": 1, "d_model": 512, "warmup_steps": 4000} | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            transformer_lr(**args)
+    with pytest.raises(InputTypeError):
+        transformer_lr(1.5, 512)
+    with pytest.raises(InputTypeError):
+        transformer_lr(True, 512)
+
+
+def test_transformer_lr_scheduler_sets_the_rate_of_each_update():
+    p = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.Adam([p], lr=1.0)
+    sched = transformer_lr_scheduler(opt, d_model=16, warmup_steps=5)
+    seen = []
+    for _ in range(12):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([transformer_lr(s, 16, 5) for s in range(1, 13)])
+    opt2 = torch.optim.Adam([p], lr=1.0)
+    transformer_lr_scheduler(opt2, 16, 5, factor=2.0)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(2 * transformer_lr(1, 16, 5))
+    with pytest.raises(InputTypeError):
+        transformer_lr_scheduler("adam", 16)
+    with pytest.raises(ValueError, match="factor"):
+        transformer_lr_scheduler(opt, 16, 5, factor=0.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        transformer_lr_scheduler(opt, 16, 0)
 
 
 def test_token_cross_entropy_ignores_padding():
