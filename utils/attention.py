@@ -1003,8 +1003,6 @@ def split_k_attention(
             that is not an int >= 1.
     """
     batch, mask = _check_qkv_tensors(q, k, v, mask)
-    if isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
     num_splits = require_int("num_splits", num_splits, minimum=1)
     l_q, l_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     if l_k == 0 or l_q == 0 or math.prod(batch) == 0:
