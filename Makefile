@@ -15,8 +15,10 @@ PORT ?= 8000
 # Two notebooks run at once on two cores, so each kernel gets one thread: two kernels of two
 # threads each would oversubscribe the cores, and PyTorch's thread pool slows down many times over.
 NBVAL_ENV := OMP_NUM_THREADS=1
+# --dist loadscope: each worker takes a whole group at a time (a notebook, a test module, the
+# book), longest first; conftest.py makes the groups and their order.
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	-n 2 --dist loadscope
+	-n 2 --dist loadscope --no-loadscope-reorder
 # The notebooks again, as another CPU would run them: PyTorch's generic kernels (no AVX2 or
 # AVX-512), MKL limited to SSE4.2, one thread. Float sums then happen in another order; a notebook
 # whose stored outputs depend on that order fails here instead of on a reader's laptop.
@@ -99,11 +101,12 @@ notebooks-generic-cpu: venv
 book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
+# Everything in one session on two workers of one thread each: the unit tests, every notebook
+# under nbval, every notebook again as another CPU would run it (--nbval-generic-cpu: generic
+# kernels, MKL limited to SSE4.2), and the book built and visited by Chromium.
 test: venv browser-deps $(GRADE_STAMP)
-	$(NBVAL_ENV) $(PY) -m pytest -q -m "not book and not pdf" $(NBVAL_FLAGS) tests book
-	@echo "The notebooks again, on generic CPU kernels with one thread:"
-	$(GENERIC_CPU_ENV) $(PY) -m pytest -q -p no:cacheprovider $(NBVAL_FLAGS) book
-	$(PY) -m pytest -q -m book tests
+	$(NBVAL_ENV) $(PY) -m pytest -q -p no:cacheprovider -m "not pdf" $(NBVAL_FLAGS) \
+		--nbval-generic-cpu tests book
 
 # Jupyter refuses to start as root unless told to; containers and cloud notebooks run as root.
 lab: venv
@@ -144,7 +147,7 @@ grade: $(GRADE_STAMP)
 	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)
 
 lint: venv
-	$(VENV)/bin/ruff check utils tests scripts book
+	$(VENV)/bin/ruff check utils tests scripts book conftest.py
 
 clean:
 	rm -rf _build

@@ -68,12 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.attention import (  # noqa: E402
-    MultiHeadAttention,
-    local_attention,
-    memory_efficient_attention,
-    scaled_dot_product_attention,
-)
+from utils.attention import MultiHeadAttention, scaled_dot_product_attention  # noqa: E402
+from utils.fast_attention import local_attention, memory_efficient_attention  # noqa: E402
 from utils.masks import local_mask  # noqa: E402
 
 DEFAULT_OUT = ROOT / "_build" / "bench" / "benchmark.md"

@@ -43,16 +43,16 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-from utils.checks import ASSIGNMENTS, kernel, sandbox, submissions  # noqa: E402
-from utils.checks.core import CheckResult  # noqa: E402
-from utils.checks.sandbox import Limits, SubmissionResult, grade_notebook  # noqa: E402
-from utils.checks.submissions import (  # noqa: E402
+from utils.checks import ASSIGNMENTS, kernel, sandbox, submissions, zygote_client  # noqa: E402
+from utils.checks.limits import Limits  # noqa: E402
+from utils.checks.notebook_reading import (  # noqa: E402
     MAX_NOTEBOOK_BYTES,
-    Placed,
-    Unplaced,
     UnreadableNotebook,
     read_notebook,
 )
+from utils.checks.results import CheckResult  # noqa: E402
+from utils.checks.sandbox import SubmissionResult, grade_notebook  # noqa: E402
+from utils.checks.submissions import Placed, Unplaced  # noqa: E402
 
 SOURCES = ROOT / "book" / "assignments"
 ANSWER_STUB = "YOUR ANSWER HERE"
@@ -383,16 +383,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     if args.no_fork:
-        sandbox.use_fork = False
+        zygote_client.use_fork = False
     limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)
     start = time.monotonic()
     # Orphans of any process below this one come back to it, so that none outlives the run.
     kernel.set_child_subreaper()
-    sandbox.shared_zygote()  # from this thread, which outlives the grading threads
+    zygote_client.shared_zygote()  # from this thread, which outlives the grading threads
     try:
         results = grade_all(placed, limits, args.jobs, args.quiet, start)
     finally:
-        sandbox.stop_zygote()
+        zygote_client.stop_zygote()
         # Every process below the grader is gone before anything is written.
         leftover = kernel.kill_descendants()
     names = sorted({p.assignment for p in placed}, key=list(ASSIGNMENTS).index)
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
               "flagged 'insecure'")
     if leftover:
         print(f"killed {len(leftover)} leftover processes before writing the grades")
-    started = sandbox.children_started
+    started = zygote_client.children_started
     print(f"graded {len(rows)} notebooks in {time.monotonic() - start:.1f} s "
           f"({started['forked']} processes forked, {started['fresh']} started afresh); "
           f"{len(unplaced)} not placed; wrote {args.out / 'grades.csv'}, "

@@ -19,6 +19,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(line)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """On a pytest-xdist worker, hand the summary lines to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["summary_lines"] = session.config.stash.get(SUMMARY_LINES, [])
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: only called when it runs the tests
+def pytest_testnodedown(node, error):
+    lines = getattr(node, "workeroutput", {}).get("summary_lines", [])
+    node.config.stash.setdefault(SUMMARY_LINES, []).extend(lines)
+
+
 @pytest.fixture(scope="session")
 def built_book():
     """Build the book once per test session, as `make book` does; returns the build's result."""

@@ -108,6 +108,14 @@ sys.stdout.write("[PASS] 10 / 10\\n")
 A1_REFERENCE = '''
 from utils.attention import scaled_dot_product_attention
 '''
+# The fast paths compute the same attention from another module of the book.
+A1_FAST_PATH = '''
+from utils.fast_attention import memory_efficient_attention
+
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    return memory_efficient_attention(q, k, v, mask=mask), None
+'''
 # An import the static scan cannot see: the forked process must refuse it at run time.
 A1_HIDDEN_IMPORT = '''
 import importlib
@@ -381,13 +389,22 @@ ENC_FF_NO_DROPOUT = _enc('''        if self.norm_first:
         x = self.norm1(x + sa(x))
         return self.norm2(x + ff_no_drop(x))''')
 ENC_REFERENCE = "from utils.transformer import EncoderLayer\n"
-ENC_TORCH = '''
-class EncoderLayer(nn.TransformerEncoderLayer):
+ENC_LAYERS_MODULE = "from utils.transformer_layers import EncoderLayer\n"
+
+
+def torch_layer(kind: str) -> str:
+    """A student's ``{kind}Layer`` that is torch's own layer, batch first ("Encoder" or
+    "Decoder")."""
+    return f'''
+class {kind}Layer(nn.Transformer{kind}Layer):
     def __init__(self, d_model, nhead, dim_feedforward, dropout=0.0, activation="relu",
                  norm_first=False):
         super().__init__(d_model, nhead, dim_feedforward, dropout, activation,
                          batch_first=True, norm_first=norm_first)
 '''
+
+
+ENC_TORCH = torch_layer("Encoder")
 
 # student: (assignment, {solution cell index: source}, expectation)
 SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
@@ -425,6 +442,7 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a1_replaces_checkers": ("a1_attention", {3: A1_CHEAT}, "zero"),
     "evil_a1_prints_scores": ("a1_attention", {3: A1_FAKE_PRINT}, "zero"),
     "evil_a1_reference": ("a1_attention", {3: A1_REFERENCE}, "imports utils.attention"),
+    "evil_a1_fast_path": ("a1_attention", {3: A1_FAST_PATH}, "imports utils.fast_attention"),
     "evil_a1_hidden_import": ("a1_attention", {3: A1_HIDDEN_IMPORT},
                               "tried to read the book's sources or reference code"),
     "evil_a1_torch_sdpa": ("a1_attention", {3: A1_TORCH}, "F.scaled_dot_product_attention"),
@@ -441,6 +459,8 @@ SUBMISSIONS: dict[str, tuple[str, dict[int, str], str]] = {
     "evil_a4_torch_layer_norm": ("a4_positional_encoding_layer_norm", {6: LN_TORCH},
                                  "nn.LayerNorm"),
     "evil_a6_reference": ("a6_encoder_layer", {3: ENC_REFERENCE}, "imports utils.transformer"),
+    "evil_a6_layers_module": ("a6_encoder_layer", {3: ENC_LAYERS_MODULE},
+                              "imports utils.transformer_layers"),
     "evil_a6_torch_layer": ("a6_encoder_layer", {3: ENC_TORCH}, "nn.TransformerEncoderLayer"),
 }
 

@@ -410,7 +410,7 @@ def train(model, steps, seed):
 '''}, None, columns={"training.training": 0}, phrase="answers without training"),
     "f_stub_runner": Attack("F", "a8_train", {9: '''
 import sys
-runners = sys.modules["utils.checks.runners"]
+runners = sys.modules["utils.checks.training_runner"]
 
 def _reverse(obj, spec, x):
     src = x["src"]

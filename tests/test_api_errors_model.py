@@ -21,21 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils import costs
 from utils._validation import InputTypeError
-from utils.data import (
-    BOS,
-    EOS,
-    PAD,
-    MissingDigitTask,
-    ReversalTask,
-    Seq2SeqBatch,
-    SortingTask,
-    Vocab,
-    pad_sequences,
-)
+from utils.data import BOS, EOS, PAD, Seq2SeqBatch, Vocab, pad_sequences
 from utils.decoding import generate, greedy_decode, next_token, sample_decode
 from utils.masks import causal_mask, padding_mask
 from utils.models import DecoderOnlyLM, EncoderOnlyMLM, InputEmbedding, Seq2SeqTransformer
+from utils.tasks import MissingDigitTask, ReversalTask, SortingTask
 from utils.train import (
     exact_match,
     token_accuracy,
@@ -43,17 +35,7 @@ from utils.train import (
     train,
     warmup_linear_decay,
 )
-from utils.transformer import (
-    Decoder,
-    DecoderLayer,
-    Encoder,
-    EncoderLayer,
-    Transformer,
-    count_parameters,
-    encoder_layer_flops,
-    transformer_param_breakdown,
-    transformer_param_count,
-)
+from utils.transformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer
 
 # torch warns that nested tensors are a prototype, and that some stacks cannot use them.
 pytestmark = [
@@ -320,22 +302,22 @@ FORWARD = [
 ]
 
 COUNTS = [
-    row("count_parameters of a list", lambda: count_parameters([1]), InputTypeError,
+    row("count_parameters of a list", lambda: costs.count_parameters([1]), InputTypeError,
         "module must be an nn.Module, got list"),
-    row("count_parameters trainable_only=1", lambda: count_parameters(nn.Linear(2, 2), 1),
+    row("count_parameters trainable_only=1", lambda: costs.count_parameters(nn.Linear(2, 2), 1),
         InputTypeError, "trainable_only must be True or False"),
-    row("param_breakdown nhead=True", lambda: transformer_param_breakdown(8, True, 16, 1, 1),
+    row("param_breakdown nhead=True", lambda: costs.transformer_param_breakdown(8, True, 16, 1, 1),
         InputTypeError, "nhead must be a positive int, got True"),
-    row("param_breakdown layers=1.5", lambda: transformer_param_breakdown(8, 2, 16, 1.5, 1),
+    row("param_breakdown layers=1.5", lambda: costs.transformer_param_breakdown(8, 2, 16, 1.5, 1),
         InputTypeError, "num_encoder_layers must be an int >= 0, got 1.5"),
     row("param_breakdown vocab_size=-1",
-        lambda: transformer_param_breakdown(8, 2, 16, 1, 1, -1), ValueError,
+        lambda: costs.transformer_param_breakdown(8, 2, 16, 1, 1, -1), ValueError,
         "vocab_size must be an int >= 0, got -1"),
-    row("param_count tied='no'", lambda: transformer_param_count(8, 2, 16, 1, 1, 4, "no"),
+    row("param_count tied='no'", lambda: costs.transformer_param_count(8, 2, 16, 1, 1, 4, "no"),
         InputTypeError, "tied must be True or False"),
-    row("flops seq_len=2.5", lambda: encoder_layer_flops(2.5, 8, 16), InputTypeError,
+    row("flops seq_len=2.5", lambda: costs.encoder_layer_flops(2.5, 8, 16), InputTypeError,
         "seq_len must be a positive int, got 2.5"),
-    row("flops d_ff=0", lambda: encoder_layer_flops(3, 8, 0), ValueError,
+    row("flops d_ff=0", lambda: costs.encoder_layer_flops(3, 8, 0), ValueError,
         "d_ff must be a positive int, got 0"),
 ]
 
@@ -745,8 +727,8 @@ DEGENERATE = [
                  id="exact_match NumPy rows"),
     pytest.param(lambda: warmup_linear_decay(0, 0, 10), _equal(1.0), id="no warm-up"),
     pytest.param(lambda: warmup_linear_decay(12, 1, 10), _equal(0.0), id="after the end"),
-    pytest.param(lambda: count_parameters(nn.ReLU()), _equal(0), id="count_parameters none"),
-    pytest.param(lambda: transformer_param_count(8, 2, 16, 0, 0), _equal(2 * 2 * 8),
+    pytest.param(lambda: costs.count_parameters(nn.ReLU()), _equal(0), id="count_parameters none"),
+    pytest.param(lambda: costs.transformer_param_count(8, 2, 16, 0, 0), _equal(2 * 2 * 8),
                  id="param_count no layers: the two final norms"),
     pytest.param(lambda: Vocab.from_symbols("ab").decode([]), _equal(""), id="decode nothing"),
     pytest.param(lambda: Vocab.from_symbols("ab").encode([]), _equal([]), id="encode nothing"),

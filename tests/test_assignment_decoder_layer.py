@@ -6,13 +6,14 @@ the grader (sandbox and command line) grades a right, a wrong and two hostile su
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
+import inspect
 
 import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
+from assignment_grading import grade, write_submission
+from grading_submissions import torch_layer
 from notebooks import ROOT
 from torch import nn
 
@@ -390,18 +391,7 @@ def test_in_place_and_missing_mask_are_explained():
 
 WRONG = '''
 class DecoderLayer(nn.Module):
-    def __init__(self, d_model, nhead, dim_feedforward, dropout=0.0, activation="relu",
-                 norm_first=False):
-        super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, nhead)
-        self.multihead_attn = MultiHeadAttention(d_model, nhead)
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
-        self.norm1, self.norm2, self.norm3 = (LayerNorm(d_model) for _ in range(3))
-        self.dropout = nn.Dropout(dropout)
-        self.activation = {"relu": F.relu, "gelu": F.gelu}[activation]
-        self.norm_first = norm_first
-
+''' + inspect.getsource(Dec.__init__) + '''
     @staticmethod
     def causal_mask(length):
         return torch.ones(length, length, dtype=torch.bool).tril()
@@ -419,13 +409,7 @@ class DecoderLayer(nn.Module):
         return self.norm2(x + ff(x))
 '''
 EVIL_IMPORT = "from utils.transformer import DecoderLayer\n"
-EVIL_TORCH = '''
-class DecoderLayer(nn.TransformerDecoderLayer):
-    def __init__(self, d_model, nhead, dim_feedforward, dropout=0.0, activation="relu",
-                 norm_first=False):
-        super().__init__(d_model, nhead, dim_feedforward, dropout, activation,
-                         batch_first=True, norm_first=norm_first)
-
+EVIL_TORCH = torch_layer("Decoder") + '''
     @staticmethod
     def causal_mask(length):
         return nn.Transformer.generate_square_subsequent_mask(length) == 0
@@ -467,22 +451,12 @@ def _solution_index(nb) -> int:
 def graded(tmp_path_factory):
     """The four submissions in nbgrader's layout, graded by scripts/grade_assignments.py."""
     base = tmp_path_factory.mktemp("a7_grading")
+    index = _solution_index(nbformat.read(NOTEBOOK, as_version=4))
     for student, source in STUDENTS.items():
-        nb = nbformat.read(NOTEBOOK, as_version=4)
-        if source is not None:
-            nb.cells[_solution_index(nb)].source = source
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = [], None
-        where = base / "submitted" / student / "a7_decoder_layer"
-        where.mkdir(parents=True)
-        nbformat.write(nb, where / "a7_decoder_layer.ipynb")
+        write_submission(NOTEBOOK, base / "submitted", student,
+                         {} if source is None else {index: source}, solution_cells=False)
     out = base / "out"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "grade_assignments.py"),
-                          str(base / "submitted"), "--out", str(out), "--case-timeout", "3",
-                          "--cells-timeout", "30", "--quiet"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    grade(base / "submitted", out, "--case-timeout", "3", "--cells-timeout", "30")
     with open(out / "grades.csv", newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
     feedback = {s: (out / "feedback" / s / "a7_decoder_layer.md").read_text() for s in STUDENTS}

@@ -8,13 +8,13 @@ correct, a wrong and two hostile submissions as they deserve.
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
+import inspect
 
 import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
+from assignment_grading import grade, write_submission
 from notebooks import ROOT
 from torch import nn
 
@@ -78,11 +78,15 @@ class MoE(nn.Module):
         for e, expert in enumerate(self.experts):
             token, slot = (top_i == e).nonzero(as_tuple=True)
             if token.numel():
-                out = out.index_add(0, token, gates[token, slot, None] * expert(tokens[token]))
+                out = self.combine(out, token, gates[token, slot, None] * expert(tokens[token]))
         f = torch.bincount(top_i.flatten(), minlength=self.num_experts).float() / top_i.numel()
         aux = self.num_experts * (f * probs.mean(dim=0)).sum()
         self.last_routing = top_i.reshape(*x.shape[:-1], self.k)
         return out.reshape(x.shape), aux
+
+    def combine(self, out, token, weighted):
+        """Add each token's weighted expert output to what it has."""
+        return out.index_add(0, token, weighted)
 
 
 class MoESoftmaxAfterTopK(MoE):
@@ -274,19 +278,9 @@ class SwiGLUNoBias(SwiGLU):
 
 
 class MoEOverwrite(MoE):
-    def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(tokens), dim=-1)
-        top_p, top_i = probs.topk(self.k, dim=-1)
-        gates = top_p / top_p.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token, slot = (top_i == e).nonzero(as_tuple=True)
-            if token.numel():
-                out[token] = gates[token, slot, None] * expert(tokens[token])
-        f = torch.bincount(top_i.flatten(), minlength=self.num_experts).float() / top_i.numel()
-        self.last_routing = top_i.reshape(*x.shape[:-1], self.k)
-        return out.reshape(x.shape), self.num_experts * (f * probs.mean(0)).sum()
+    def combine(self, out, token, weighted):
+        out[token] = weighted  # a token's second expert overwrites its first
+        return out
 
 
 class MoEHuggingFaceAux(MoE):
@@ -460,27 +454,10 @@ def test_a_module_that_hangs_fails_in_a_notebook_too():
 
 SOLUTION_CELLS = (3, 7)
 
-MOE_OVERWRITE_CELL = '''
-class TopKMoE(nn.Module):
-    def __init__(self, d_model, d_ff, num_experts, k):
-        super().__init__()
-        self.num_experts, self.k = num_experts, k
-        self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLUFeedForward(d_model, d_ff) for _ in range(num_experts))
-
-    def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(tokens), dim=-1)
-        top_p, top_i = probs.topk(self.k, dim=-1)
-        gates = top_p / top_p.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token, slot = (top_i == e).nonzero(as_tuple=True)
-            out[token] = gates[token, slot, None] * expert(tokens[token])
-        f = torch.bincount(top_i.flatten(), minlength=self.num_experts).float() / top_i.numel()
-        self.last_routing = top_i.reshape(*x.shape[:-1], self.k)
-        return out.reshape(x.shape), self.num_experts * (f * probs.mean(0)).sum()
-'''
+# The notebook's TopKMoE (the test's MoE) whose experts' outputs overwrite each other.
+MOE_OVERWRITE_CELL = ("\nclass TopKMoE(nn.Module):\n    ffn = SwiGLUFeedForward\n\n"
+                      + inspect.getsource(MoE.__init__) + "\n" + inspect.getsource(MoE.forward)
+                      + "\n" + inspect.getsource(MoEOverwrite.combine))
 
 FFN_FROM_BOOK_CELL = '''
 from utils.layers import PositionwiseFeedForward
@@ -504,12 +481,7 @@ _ref = importlib.import_module("utils.checks." + "a5_feed_forward")
 
 
 class SwiGLUFeedForward(nn.Module):
-    def __init__(self, d_model, d_ff, bias=False):
-        super().__init__()
-        self.w_gate = nn.Linear(d_model, d_ff, bias=bias)
-        self.w_up = nn.Linear(d_model, d_ff, bias=bias)
-        self.w_down = nn.Linear(d_ff, d_model, bias=bias)
-
+''' + inspect.getsource(SwiGLU.__init__) + '''
     def forward(self, x):
         return _ref.swiglu_ffn(dict(self.named_parameters()), x)
 '''
@@ -527,27 +499,15 @@ SUBMISSIONS = {
 
 def _write(folder):
     for student, (cells, _) in SUBMISSIONS.items():
-        nb = nbformat.read(ROOT / "book" / "assignments" / "a5_feed_forward.ipynb", as_version=4)
-        for index, source in cells.items():
-            assert "### BEGIN SOLUTION" in nb.cells[index].source
-            nb.cells[index].source = source
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = [], None
-        where = folder / student / "a5_feed_forward"
-        where.mkdir(parents=True)
-        nbformat.write(nb, where / "a5_feed_forward.ipynb")
+        write_submission(ROOT / "book" / "assignments" / "a5_feed_forward.ipynb", folder, student,
+                         cells)
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("a5_grading")
     _write(base / "submitted")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "grade_assignments.py"),
-                          str(base / "submitted"), "--out", str(base / "out"),
-                          "--case-timeout", "5", "--cells-timeout", "30", "--quiet"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    grade(base / "submitted", base / "out", "--case-timeout", "5", "--cells-timeout", "30")
     with open(base / "out" / "grades.csv", newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
     return rows, base / "out"

@@ -9,12 +9,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import inspect
-import subprocess
-import sys
 
 import nbformat
 import pytest
 import torch
+from assignment_grading import grade, write_submission
 from notebooks import ROOT
 from torch import nn
 
@@ -27,8 +26,9 @@ from utils.checks import (
     check_causal_mask_test,
     check_padding_mask,
 )
-from utils.checks import a3_masks as a3
-from utils.checks.a3_masks import BATCH, CAUSAL, PADDING, Reference, planted
+from utils.checks import a3_mask_tests as a3
+from utils.checks.a3_mask_tests import planted
+from utils.checks.a3_masks import BATCH, CAUSAL, PADDING, Reference
 from utils.checks.core import exercise
 from utils.masks import causal_mask, combine_masks, padding_mask, padding_to_attention_mask
 
@@ -481,20 +481,8 @@ def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("grading_a3")
     submitted, out = base / "submitted", base / "out"
     for student, (cells, _, _) in A3_SUBMISSIONS.items():
-        nb = nbformat.read(NOTEBOOK, as_version=4)
-        for index, source in cells.items():
-            assert "### BEGIN SOLUTION" in nb.cells[index].source, (student, index)
-            nb.cells[index].source = source
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = [], None
-        where = submitted / student / "a3_masks"
-        where.mkdir(parents=True)
-        nbformat.write(nb, where / "a3_masks.ipynb")
-    run = subprocess.run([sys.executable, str(SCRIPT), str(submitted), "--out", str(out),
-                          "--case-timeout", "2", "--cells-timeout", "20", "--quiet"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+        write_submission(NOTEBOOK, submitted, student, cells)
+    grade(submitted, out, "--case-timeout", "2", "--cells-timeout", "20")
     with open(out / "grades.csv", newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
     return out, rows

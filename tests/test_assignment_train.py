@@ -5,21 +5,22 @@ submissions through the sandboxed grader."""
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 import time
 
 import nbformat
 import pytest
 import torch
+from assignment_grading import grade, write_submission
 from notebooks import ROOT
 
 from utils.checks import a8_train
-from utils.checks.a8_train import CHECKER, M, Submission, partial_fraction, simulate_greedy
+from utils.checks.a8_judges import M, partial_fraction, simulate_greedy
+from utils.checks.a8_train import CHECKER
+from utils.checks.checker import PartialHint
 from utils.checks.core import guarded_exercise
+from utils.checks.training_runner import ScriptedModel, Submission
 
 NOTEBOOK = ROOT / "book" / "assignments" / "a8_train.ipynb"
-SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 
 
 def _solution_cells() -> dict[int, str]:
@@ -149,18 +150,10 @@ def test_a_decoder_that_ignores_the_model_earns_nothing_for_training():
     """Hostile: greedy_decode returns the reversed source without asking the model; the model is
     the student's, trained by their own loop. The retraining decodes with the checker's own
     greedy decoder, so the student's greedy_decode plays no part in it."""
-    cheat = '''
-def greedy_decode(model, src, src_mask, max_len):
-    rows = [torch.cat([s[m].flip(0), torch.tensor([EOS])]) for s, m in zip(src, src_mask)]
-    out = torch.full((len(rows), max(len(r) for r in rows)), PAD, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-'''
     lazy = "\ndef train(model, steps, seed):\n    return []\n"
-    ns = _namespace(SOLUTION + cheat + lazy)
+    ns = _namespace(SOLUTION + REVERSED + lazy)  # REVERSED: the cheat, as graded below
     assert _judge(_submission(ns), "training") == M["no_training"]
-    ns = _namespace(SOLUTION + cheat + "\ndef train(model, steps, seed):\n"
+    ns = _namespace(SOLUTION + REVERSED + "\ndef train(model, steps, seed):\n"
                     "    opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n"
                     "    for _, b in zip(range(2), TASK.batches(8, seed=seed)):\n"
                     "        train_step(model, opt, (b.src, b.tgt_out))\n")
@@ -173,7 +166,7 @@ def test_scripted_model_and_simulation_agree():
     ns = _namespace()
     spec = SPECS["greedy_batch"]
     src, mask = spec.tensors["src"], spec.tensors["src_mask"]
-    got = ns["greedy_decode"](a8_train.ScriptedModel(), src, mask, 8)
+    got = ns["greedy_decode"](ScriptedModel(), src, mask, 8)
     assert torch.equal(got, simulate_greedy(src, mask, 8))
     assert (got == a8_train.EOS).any(dim=1).all()
 
@@ -183,7 +176,7 @@ def test_partial_credit_scale():
     assert partial_fraction(0.5) == partial_fraction(0.1) == 0.0
     assert partial_fraction(0.725) == 0.5
     assert partial_fraction(0.94) == 0.9
-    hint = a8_train.PartialHint("below", 0.5)
+    hint = PartialHint("below", 0.5)
     case = next(c for c in CHECKER.cases if c.id == "training")
     res = CHECKER.result(case, hint)
     assert not res.passed and res.points == 3.0 and res.max_points == 6.0
@@ -291,21 +284,10 @@ SUBMITTED = {
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("a8")
     for student, cells in SUBMITTED.items():
-        nb = nbformat.read(NOTEBOOK, as_version=4)
-        for i, src in cells.items():
-            nb.cells[i].source = src
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = [], None
-        folder = base / "in" / student / "a8_train"
-        folder.mkdir(parents=True)
-        nbformat.write(nb, folder / "a8_train.ipynb")
+        write_submission(NOTEBOOK, base / "in", student, cells, solution_cells=False)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, str(SCRIPT), str(base / "in"), "--out",
-                          str(base / "out"), "--quiet"], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+    grade(base / "in", base / "out")
     elapsed = time.monotonic() - start
-    assert run.returncode == 0, run.stderr[-3000:]
     with open(base / "out" / "grades.csv", newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
     feedback = {s: (base / "out" / "feedback" / s / "a8_train.md").read_text() for s in rows}
@@ -318,11 +300,8 @@ def test_the_solution_notebook_gets_full_marks_in_under_60_s(tmp_path):
     folder.mkdir(parents=True)
     (folder / "a8_train.ipynb").write_bytes(NOTEBOOK.read_bytes())
     start = time.monotonic()
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "in"), "--out",
-                          str(tmp_path / "out"), "--quiet"], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+    grade(tmp_path / "in", tmp_path / "out")
     elapsed = time.monotonic() - start
-    assert run.returncode == 0, run.stderr[-3000:]
     with open(tmp_path / "out" / "grades.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
     assert row["score"] == row["max_score"] == "17", row

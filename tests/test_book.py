@@ -6,6 +6,7 @@ import re
 from html.parser import HTMLParser
 
 import pytest
+
 from conftest import HTML
 
 pytestmark = pytest.mark.book

@@ -49,6 +49,7 @@ from urllib.parse import urljoin, urlsplit
 
 import pytest
 import yaml
+
 from conftest import HTML, ROOT, SUMMARY_LINES
 
 pytestmark = [pytest.mark.book, pytest.mark.browser]
@@ -582,8 +583,13 @@ def _screenshot(driver, path: Path, size: tuple[int, int] = WINDOW, mobile: bool
          "mobile": mobile},
     )
     try:
-        time.sleep(0.3)  # one layout pass at the new size
-        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png"})
+        # Two animation frames: the page has been laid out and painted at the new size.
+        driver.execute_async_script(
+            "const done = arguments[0];"
+            "requestAnimationFrame(() => requestAnimationFrame(() => done(true)));")
+        # optimizeForSpeed: a faster, less compressed PNG (half the time on a 30,000 px page).
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot",
+                                      {"format": "png", "optimizeForSpeed": True})
     finally:
         if mobile:
             driver.execute_cdp_cmd(
@@ -875,7 +881,7 @@ def test_every_page_links_the_repository_and_its_source(visits):
 
 
 # ----------------------------------------------------------------------------- attention explorers
-# The pages that show utils.plotting.attention_explorer, and how many explorers each one has.
+# The pages that show utils.explorer.attention_explorer, and how many explorers each one has.
 EXPLORER_PAGES = {
     "book/03_multi_head_attention": 1,
     "book/09_transformer": 1,

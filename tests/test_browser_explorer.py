@@ -1,6 +1,6 @@
 """The attention explorers of the built book, driven by the keyboard alone, in Chromium.
 
-`utils.plotting.attention_explorer` makes the query tokens one Tab stop (a toolbar with a roving
+`utils.explorer.attention_explorer` makes the query tokens one Tab stop (a toolbar with a roving
 tabindex) and its layer and head selects ordinary controls. For each explorer of the book this
 test, with no click and no focus set by a script:
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT
 
 pytestmark = pytest.mark.book

@@ -1,5 +1,5 @@
-"""Tests of the fast attention functions of utils.attention: `memory_efficient_attention` (blocks
-and the online softmax), `local_attention` (banded attention in O(L * window)) and
+"""Tests of the fast attention functions of utils.fast_attention: `memory_efficient_attention`
+(blocks and the online softmax), `local_attention` (banded attention in O(L * window)) and
 `split_k_attention` (the keys split into chunks combined by log-sum-exp, as in Flash-Decoding).
 
 Both are compared with the plain `scaled_dot_product_attention`, itself tested against PyTorch in
@@ -11,12 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.attention import (
-    local_attention,
-    memory_efficient_attention,
-    scaled_dot_product_attention,
-    split_k_attention,
-)
+from utils.attention import scaled_dot_product_attention
+from utils.fast_attention import local_attention, memory_efficient_attention, split_k_attention
 from utils.masks import causal_mask, local_mask
 
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -82,19 +78,31 @@ SHAPE_MASKS = [(shape, kind) for shape in SHAPES for kind in MASKS
                if not (kind == "padding" and not shape[0])]
 
 
+# The two functions that cut the keys into pieces, each with the sizes it is tried with: some do
+# not divide L_q or L_k, some exceed them (split-K then has empty chunks).
+PIECEWISE = {
+    "block_size": (lambda q, k, v, mask, n: memory_efficient_attention(q, k, v, mask,
+                                                                      block_size=n), BLOCKS),
+    "num_splits": (lambda q, k, v, mask, n: split_k_attention(q, k, v, n, mask),
+                   [1, 2, 3, 4, 7, 64, 200]),
+}
+
+
+@pytest.mark.parametrize("setting", list(PIECEWISE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("shape", "mask_kind"), SHAPE_MASKS)
-def test_memory_efficient_matches_plain(shape, mask_kind, dtype):
+def test_piecewise_attention_matches_plain(shape, mask_kind, dtype, setting):
+    attend, sizes = PIECEWISE[setting]
     batch, l_q, l_k, d_k, d_v = shape
     q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, dtype=dtype)
     mask = _mask(mask_kind, batch, l_q, l_k)
     expected = _plain(q, k, v, mask)
-    for block in BLOCKS:
-        out = memory_efficient_attention(q, k, v, mask, block_size=block)
+    for size in sizes:
+        out = attend(q, k, v, mask, size)
         assert out.shape == expected.shape and out.dtype == dtype
         assert not out.isnan().any()
         torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0,
-                                   msg=f"block_size={block}")
+                                   msg=f"{setting}={size}")
 
 
 def test_memory_efficient_random_shapes():
@@ -295,24 +303,6 @@ def test_local_empty():
     assert local_attention(q, k, v, 2).shape == (0, 2, 5, 4)
     q, k, v = _qkv((2,), 0, 0, 3, 4)
     assert local_attention(q, k, v, 2).shape == (2, 0, 4)
-
-
-SPLITS = [1, 2, 3, 4, 7, 64, 200]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("shape", "mask_kind"), SHAPE_MASKS)
-def test_split_k_matches_plain(shape, mask_kind, dtype):
-    batch, l_q, l_k, d_k, d_v = shape
-    q, k, v = _qkv(batch, l_q, l_k, d_k, d_v, dtype=dtype)
-    mask = _mask(mask_kind, batch, l_q, l_k)
-    expected = _plain(q, k, v, mask)
-    for splits in SPLITS:  # some do not divide L_k, some exceed it (empty chunks)
-        out = split_k_attention(q, k, v, splits, mask)
-        assert out.shape == expected.shape and out.dtype == dtype
-        assert not out.isnan().any()
-        torch.testing.assert_close(out, expected, atol=ATOL[dtype], rtol=0,
-                                   msg=f"num_splits={splits}")
 
 
 def test_split_k_one_query_against_torch():

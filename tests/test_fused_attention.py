@@ -14,12 +14,12 @@ from torch import nn
 from utils._validation import InputTypeError
 from utils.attention import (
     GroupedQueryAttention,
-    KVCache,
     MultiHeadAttention,
-    fused_attention,
     keep_attention_weights,
     scaled_dot_product_attention,
 )
+from utils.fast_attention import fused_attention
+from utils.kv_cache import KVCache
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-9)}
 

@@ -7,6 +7,7 @@ Fast: the sandbox is not started (the one run of the command line grades with a 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -19,21 +20,18 @@ import nbformat
 import pytest
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, submissions
-from utils.checks.core import CheckResult
-from utils.checks.sandbox import SubmissionResult
-from utils.checks.submissions import (
+from utils.checks import ASSIGNMENTS, notebook_reading
+from utils.checks.notebook_reading import (
     MAX_NOTEBOOK_BYTES,
-    Placed,
     UnreadableNotebook,
-    assignment_of,
     code_cells,
-    find_submissions,
     ipython_source,
-    name_match,
     read_notebook,
     read_notebook_bytes,
 )
+from utils.checks.results import CheckResult
+from utils.checks.sandbox import SubmissionResult
+from utils.checks.submissions import Placed, assignment_of, find_submissions, name_match
 
 NAMES = list(ASSIGNMENTS)
 
@@ -249,36 +247,36 @@ def _release(fifo: Path) -> None:
         pass
 
 
-def test_a_fifo_named_like_a_notebook_is_refused_without_waiting(tmp_path):
-    fifo = tmp_path / "ada" / "a1_attention.ipynb"
+@contextlib.contextmanager
+def _fifo_found(tmp_path: Path, name: str):
+    """A FIFO ``ada/<name>`` handed in: yields (placed, unplaced, seconds) of `find_submissions`
+    run in a thread, after checking that reading the FIFO did not block."""
+    fifo = tmp_path / "ada" / name
     fifo.parent.mkdir()
     os.mkfifo(fifo)
     try:
         thread, box, took = _in_thread(lambda: find_submissions(tmp_path, NAMES))
         assert not thread.is_alive(), "reading the FIFO blocked"
-        assert "error" not in box and took < 5
-        placed, unplaced = box["value"]
+        assert "error" not in box
+        yield (*box["value"], took)
+    finally:
+        _release(fifo)
+
+
+def test_a_fifo_named_like_a_notebook_is_refused_without_waiting(tmp_path):
+    with _fifo_found(tmp_path, "a1_attention.ipynb") as (placed, unplaced, took):
+        assert took < 5
         assert not unplaced and len(placed) == 1
         assert placed[0].assignment == "a1_attention"
         assert placed[0].unreadable == "a FIFO, not a regular file"
         with pytest.raises(UnreadableNotebook, match="a FIFO, not a regular file"):
-            read_notebook_bytes(fifo)
-    finally:
-        _release(fifo)
+            read_notebook_bytes(tmp_path / "ada" / "a1_attention.ipynb")
 
 
 def test_a_fifo_with_another_name_is_reported(tmp_path):
-    fifo = tmp_path / "ada" / "untitled.ipynb"
-    fifo.parent.mkdir()
-    os.mkfifo(fifo)
-    try:
-        thread, box, _ = _in_thread(lambda: find_submissions(tmp_path, NAMES))
-        assert not thread.is_alive(), "reading the FIFO blocked"
-        placed, unplaced = box["value"]
+    with _fifo_found(tmp_path, "untitled.ipynb") as (placed, unplaced, _):
         assert placed == [] and [u.reason for u in unplaced] == [
             "cannot be read: a FIFO, not a regular file"]
-    finally:
-        _release(fifo)
 
 
 def test_symbolic_links_are_never_followed(tmp_path):
@@ -445,7 +443,7 @@ def test_ipython_syntax_becomes_what_jupyter_runs():
 def test_the_transformation_of_a_notebook_is_bounded(monkeypatch):
     """IPython tokenizes a cell again after each escape it replaces: many ``!`` lines would
     cost the square of their length. Past the budget a cell is kept as it is."""
-    monkeypatch.setattr(submissions, "TRANSFORM_BUDGET", 20_000)
+    monkeypatch.setattr(notebook_reading, "TRANSFORM_BUDGET", 20_000)
     hostile = "!ls\n" * 400
     nb = {"cells": [_cell(hostile) for _ in range(20)] + [_cell("!ls")]}
     start = time.monotonic()

@@ -16,7 +16,7 @@ import pytest
 from grading_submissions import SUBMISSIONS, write_submissions
 from notebooks import ROOT
 
-from utils.checks import sandbox
+from utils.checks import zygote_client
 
 SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 _spec = importlib.util.spec_from_file_location("grade_assignments", SCRIPT)
@@ -185,7 +185,7 @@ def test_makefile_has_a_grade_target():
 def test_the_zygote_kills_and_reaps_its_children(tmp_path):
     """A child the grader gives up on is gone at once, and so is every child when the zygote
     stops; the zygote is single-threaded (it refuses to start otherwise)."""
-    zygote = sandbox.Zygote()
+    zygote = zygote_client.Zygote()
     fds = []
     try:
         first, *ends = zygote.spawn(tmp_path)

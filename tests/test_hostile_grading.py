@@ -25,7 +25,8 @@ from hostile_submissions import ATTACKS, _a1_with
 from notebooks import ROOT
 
 from utils.checks import ASSIGNMENTS, kernel
-from utils.checks.sandbox import Limits, grade_notebook
+from utils.checks.limits import Limits
+from utils.checks.sandbox import grade_notebook
 
 SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 SOURCES = ROOT / "book" / "assignments"

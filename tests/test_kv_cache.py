@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from utils import seed_everything
-from utils.attention import GroupedQueryAttention, KVCache, MultiHeadAttention
+from utils.attention import GroupedQueryAttention, MultiHeadAttention
+from utils.costs import kv_cache_bytes
 from utils.data import BOS, EOS, PAD
-from utils.decoding import generate, greedy_decode, kv_cache_bytes, sample_decode
+from utils.decoding import generate, greedy_decode, sample_decode
+from utils.kv_cache import DecoderCache, KVCache
 from utils.models import DecoderOnlyLM, Seq2SeqTransformer
-from utils.transformer import DecoderCache
 
 V = 13
 

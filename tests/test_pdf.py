@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import ROOT
 
 pytestmark = pytest.mark.pdf

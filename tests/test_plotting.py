@@ -1,5 +1,6 @@
-"""Tests of utils.plotting: the attention heatmaps that the chapters share, the attention
-explorer's HTML, and the architecture figure drawn from a model's modules."""
+"""Tests of the figures: utils.plotting (the attention heatmaps that the chapters share),
+utils.explorer (the attention explorer's HTML) and utils.diagrams (the architecture figure drawn
+from a model's modules)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,10 @@ from torch import nn  # noqa: E402
 
 from utils._validation import InputTypeError  # noqa: E402
 from utils.attention import keep_attention_weights  # noqa: E402
+from utils.diagrams import architecture_figure  # noqa: E402
+from utils.explorer import AttentionExplorer, attention_explorer  # noqa: E402
 from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer  # noqa: E402
-from utils.plotting import (  # noqa: E402
-    AttentionExplorer,
-    architecture_figure,
-    attention_explorer,
-    plot_attention,
-    plot_attention_heads,
-)
+from utils.plotting import plot_attention, plot_attention_heads  # noqa: E402
 from utils.transformer import Encoder, EncoderLayer, Transformer  # noqa: E402
 
 
@@ -82,10 +79,13 @@ def test_plot_attention_accepts_numpy_and_grad_tensors():
     plot_attention(w.detach().numpy())
 
 
-@pytest.mark.parametrize("shape", [(4,), (2, 3, 4), (1, 1, 2, 2)])
-def test_plot_attention_rejects_bad_shapes(shape):
-    with pytest.raises(ValueError, match=r"\(L_q, L_k\)") as info:
-        plot_attention(torch.zeros(shape))
+@pytest.mark.parametrize(("draw", "expected", "shape"), [
+    *((plot_attention, r"\(L_q, L_k\)", s) for s in [(4,), (2, 3, 4), (1, 1, 2, 2)]),
+    *((plot_attention_heads, r"\(h, L_q, L_k\)", s) for s in [(3, 4), (2, 2, 3, 4), (0, 3, 4)]),
+])
+def test_plots_reject_bad_shapes(draw, expected, shape):
+    with pytest.raises(ValueError, match=expected) as info:
+        draw(torch.zeros(shape))
     assert "(" + ", ".join(map(str, shape)) + ")" in str(info.value)
 
 
@@ -113,13 +113,6 @@ def test_plot_attention_heads_grid():
 def test_plot_attention_heads_single_head():
     fig = plot_attention_heads(_weights(1, 2, 2))
     assert len([ax for ax in fig.axes if ax.get_images()]) == 1
-
-
-@pytest.mark.parametrize("shape", [(3, 4), (2, 2, 3, 4), (0, 3, 4)])
-def test_plot_attention_heads_rejects_bad_shapes(shape):
-    with pytest.raises(ValueError, match=r"\(h, L_q, L_k\)") as info:
-        plot_attention_heads(torch.zeros(shape))
-    assert "(" + ", ".join(map(str, shape)) + ")" in str(info.value)
 
 
 def test_plot_attention_heads_rejects_bad_options():

@@ -13,9 +13,10 @@ from torch import nn
 
 from utils import seed_everything
 from utils._validation import InputTypeError
-from utils.data import PAD, MissingDigitTask, ReversalTask, SortingTask
+from utils.data import PAD
 from utils.decoding import generate, greedy_decode
 from utils.models import DecoderOnlyLM, EncoderOnlyMLM, Seq2SeqTransformer
+from utils.tasks import MissingDigitTask, ReversalTask, SortingTask
 from utils.train import (
     History,
     exact_match,

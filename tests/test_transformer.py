@@ -17,20 +17,21 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from utils.attention import MultiHeadAttention, keep_attention_weights
+from utils.costs import (
+    count_parameters,
+    encoder_layer_flops,
+    transformer_param_breakdown,
+    transformer_param_count,
+)
 from utils.layers import LayerNorm, PositionwiseFeedForward
-from utils.masks import causal_mask, padding_mask
+from utils.masks import causal_mask, expand_mask, padding_mask
 from utils.transformer import (
     Decoder,
     DecoderLayer,
     Encoder,
     EncoderLayer,
     Transformer,
-    count_parameters,
-    encoder_layer_flops,
-    expand_mask,
     share_layers,
-    transformer_param_breakdown,
-    transformer_param_count,
 )
 
 # torch warns that nested tensors are a prototype, and that a pre-LN encoder cannot use them.

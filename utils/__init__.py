@@ -9,13 +9,14 @@ from __future__ import annotations
 import numbers
 import os
 import random
+import sys
 
 import numpy as np
 import torch
 
 from ._validation import InputTypeError
 
-__all__ = ["seed_everything"]
+__all__ = ["seed_everything", "set_deterministic_algorithms"]
 
 
 def seed_everything(seed: int) -> None:
@@ -45,4 +46,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (the global generator is what np.random.* calls use)
     torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    set_deterministic_algorithms(True, warn_only=True)
+
+
+def set_deterministic_algorithms(mode: bool, warn_only: bool = False) -> None:
+    """What ``torch.use_deterministic_algorithms(mode, warn_only=warn_only)`` does for the book,
+    without loading torch's compiler.
+
+    PyTorch's function also sets ``torch._inductor.config.deterministic``, and importing that
+    module loads the compiler stack of ``torch.compile``: about two seconds, in every notebook
+    and every process that seeds. The book never compiles a model, so what matters is the flag
+    that every operator reads, set here; the compiler's own copy is set too when the compiler is
+    already loaded.
+    """
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = mode
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)

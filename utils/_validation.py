@@ -331,3 +331,54 @@ def require_module_device(name: str, t: torch.Tensor, module: nn.Module) -> None
             f"{name} is on {t.device} but {type(module).__name__} is on {ref.device}; move "
             f"one of them ({name}.to('{ref.device}') or module.to('{t.device}'))"
         )
+
+
+def require_qkv(q: object, k: object, v: object,
+                mask: object) -> tuple[torch.Size, torch.Tensor | None]:
+    """Check q, k, v and an optional bool mask: the rules of
+    `utils.attention.scaled_dot_product_attention`, shared with the functions of
+    `utils.fast_attention`. q is (..., L_q, d_k), k (..., L_k, d_k), v (..., L_k, d_v), the mask
+    broadcastable to (..., L_q, L_k).
+
+    Returns the broadcast batch shape of q, k and v, and the mask, with a 1-dim mask (L_k,)
+    given a query axis so that it reads as (1, L_k).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(name, t)
+    require_rank("q", q, "(..., L_q, d_k)", min_rank=2)
+    require_rank("k", k, "(..., L_k, d_k)", min_rank=2)
+    require_rank("v", v, "(..., L_k, d_v)", min_rank=2)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must share the last dimension d_k: q is {shape_str(q)} (d_k={q.shape[-1]}),"
+            f" k is {shape_str(k)} (d_k={k.shape[-1]})"
+        )
+    if q.shape[-1] == 0:
+        raise ValueError(f"d_k must be at least 1 (the scores are divided by sqrt(d_k)), got q "
+                         f"{shape_str(q)} and k {shape_str(k)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys L_k: k is {shape_str(k)} "
+            f"(L_k={k.shape[-2]}), v is {shape_str(v)} (L_k={v.shape[-2]})"
+        )
+    batch = broadcast_shape(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if batch is None:
+        raise ValueError(
+            f"the leading (batch) dims of q {shape_str(q)}, k {shape_str(k)} and v {shape_str(v)}"
+            " do not broadcast together"
+        )
+    batch = torch.Size(batch)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputTypeError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
+        )
+    require_floating("q", q)
+    if mask is not None:
+        require_tensor("mask", mask)
+        require_bool_mask("mask", mask)
+        target = (*batch, q.shape[-2], k.shape[-2])
+        require_broadcastable("mask", mask.shape, target, "(..., L_q, L_k)")
+        if mask.dim() == 1:
+            mask = mask[None, :]
+    require_same_device(q=q, k=k, v=v, mask=mask)
+    return batch, mask

@@ -13,7 +13,7 @@ Two ways to run the model, chosen by ``use_cache``, give the same tokens:
 
 * ``use_cache=False``: each step runs the decoder over the whole prefix again. Simple, and the
   work per step grows with the prefix: O(L^2) token-positions for L tokens.
-* ``use_cache=True`` (the default): a key/value cache (`utils.transformer.DecoderCache`) keeps,
+* ``use_cache=True`` (the default): a key/value cache (`utils.kv_cache.DecoderCache`) keeps,
   for every layer, the keys and values of the positions already processed; each step feeds only
   the new token, at its own absolute position, and its queries attend to the cached keys. An
   encoder-decoder's cross-attention projects the memory once. The logits agree with the
@@ -65,30 +65,10 @@ from ._validation import (
     shape_str,
     type_name,
 )
-from .attention import KVCache
 from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
-from .transformer import DecoderCache
+from .kv_cache import DecoderCache
 
-__all__ = ["next_token", "greedy_decode", "sample_decode", "generate", "kv_cache_bytes",
-           "KVCache", "DecoderCache"]
-
-
-def kv_cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, length: int, d_k: int,
-                   dtype: torch.dtype = torch.float32) -> int:
-    """The memory of a self-attention key/value cache, by formula, in bytes.
-
-    2 (keys and values) * num_layers * B * h_kv * L * d_k * (bytes per number of ``dtype``).
-    It grows linearly with the generated length L and the batch, and shrinks with fewer
-    key/value heads (grouped-query attention).
-    """
-    num_layers, batch_size, num_kv_heads, d_k = (
-        require_int(n, v) for n, v in (("num_layers", num_layers), ("batch_size", batch_size),
-                                      ("num_kv_heads", num_kv_heads), ("d_k", d_k)))
-    length = require_int("length", length, minimum=0)
-    if not isinstance(dtype, torch.dtype):
-        raise InputTypeError(f"dtype must be a torch.dtype, got {type_name(dtype)}")
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * batch_size * num_kv_heads * length * d_k * size
+__all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
 
 
 def _cache_for(model: nn.Module, use_cache: object, length: int) -> DecoderCache | None:

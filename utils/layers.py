@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._validation import (
-    InputTypeError,
     apply_dropout,
     require_bool,
     require_choice,
@@ -27,6 +26,7 @@ from ._validation import (
     require_tensor,
     shape_str,
 )
+from .convert import copy_norm, norm_size
 
 __all__ = [
     "LayerNorm",
@@ -48,33 +48,6 @@ def _require_last_dim(name: str, x: object, module: nn.Module) -> torch.Tensor:
         )
     require_like_module(name, x, module)
     return x
-
-
-def _norm_source(module: object, torch_cls: type[nn.Module]) -> int:
-    """The d_model of a torch norm layer that can be copied exactly, or an error saying why not."""
-    if not isinstance(module, torch_cls):
-        raise InputTypeError(
-            f"module must be an nn.{torch_cls.__name__}, got {type(module).__name__}"
-        )
-    shape = tuple(module.normalized_shape)
-    if len(shape) != 1:
-        raise ValueError(
-            f"cannot copy an nn.{torch_cls.__name__} over the last {len(shape)} dims "
-            f"{shape}: only a single normalized dimension is supported"
-        )
-    return shape[0]
-
-
-def _copy_norm(new: nn.Module, module: nn.Module) -> nn.Module:
-    """Move ``new`` to ``module``'s dtype and device and copy its gain (and bias) in."""
-    ref = next(iter(module.parameters()), None)
-    if ref is not None:
-        new = new.to(dtype=ref.dtype, device=ref.device)
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                getattr(new, name).copy_(p)
-    new.train(module.training)
-    return new
 
 
 class LayerNorm(nn.Module):
@@ -146,10 +119,10 @@ class LayerNorm(nn.Module):
             InputTypeError: when ``module`` is not an ``nn.LayerNorm``.
             ValueError: when it normalizes over more than one dimension.
         """
-        d_model = _norm_source(module, nn.LayerNorm)
+        d_model = norm_size(module, nn.LayerNorm)
         new = cls(d_model, eps=module.eps, elementwise_affine=module.weight is not None,
                   bias=module.bias is not None)
-        return _copy_norm(new, module)
+        return copy_norm(new, module)
 
 
 class RMSNorm(nn.Module):
@@ -201,9 +174,9 @@ class RMSNorm(nn.Module):
             InputTypeError: when ``module`` is not an ``nn.RMSNorm``.
             ValueError: when it normalizes over more than one dimension.
         """
-        d_model = _norm_source(module, nn.RMSNorm)
+        d_model = norm_size(module, nn.RMSNorm)
         new = cls(d_model, eps=module.eps, elementwise_affine=module.weight is not None)
-        return _copy_norm(new, module)
+        return copy_norm(new, module)
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}

@@ -38,8 +38,10 @@ from ._validation import (
     shape_str,
     value_range,
 )
+from .kv_cache import DecoderCache
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
-from .transformer import DecoderCache, Encoder, Transformer, _check_input, _check_same_batch
+from .transformer import Encoder, Transformer
+from .transformer_layers import _check_input, _check_same_batch
 
 __all__ = ["InputEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnlyMLM"]
 
@@ -318,7 +320,28 @@ class Seq2SeqTransformer(nn.Module):
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
 
 
-class DecoderOnlyLM(nn.Module):
+class _TokenStack(nn.Module):
+    """What `DecoderOnlyLM` and `EncoderOnlyMLM` share: embeddings, one `utils.transformer.Encoder`
+    stack and an output head, made in that order. The stack ends in a LayerNorm always when
+    ``always_final_norm`` (a causal LM), else exactly when it is pre-LN."""
+
+    always_final_norm = True
+
+    def __init__(self, vocab_size: int, d_model: int = 64, nhead: int = 4, num_layers: int = 2,
+                 dim_feedforward: int | None = None, dropout: float = 0.0,
+                 activation: str = "gelu", norm_first: bool = True, max_len: int = 64,
+                 tie_output: bool = True):
+        super().__init__()
+        kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
+        require_bool("tie_output", tie_output)
+        self.d_model = d_model
+        self.embed = InputEmbedding(vocab_size, d_model, max_len)
+        self.vocab_size, self.max_len = self.embed.vocab_size, self.embed.max_len
+        self.blocks = Encoder(num_layers, final_norm=self.always_final_norm or norm_first, **kw)
+        self.head = _OutputHead(self.embed, tie_output)
+
+
+class DecoderOnlyLM(_TokenStack):
     """A GPT-style causal language model.
 
     Embeddings, a stack of self-attention layers (`utils.transformer.Encoder`'s layers: a
@@ -333,19 +356,6 @@ class DecoderOnlyLM(nn.Module):
     ``vocab_size`` and ``max_len`` are kept as attributes; `utils.decoding.generate` reads
     ``max_len`` to refuse, before generating, more tokens than the model can take.
     """
-
-    def __init__(self, vocab_size: int, d_model: int = 64, nhead: int = 4, num_layers: int = 2,
-                 dim_feedforward: int | None = None, dropout: float = 0.0,
-                 activation: str = "gelu", norm_first: bool = True, max_len: int = 64,
-                 tie_output: bool = True):
-        super().__init__()
-        kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
-        require_bool("tie_output", tie_output)
-        self.d_model = d_model
-        self.embed = InputEmbedding(vocab_size, d_model, max_len)
-        self.vocab_size, self.max_len = self.embed.vocab_size, self.embed.max_len
-        self.blocks = Encoder(num_layers, final_norm=True, **kw)
-        self.head = _OutputHead(self.embed, tie_output)
 
     def new_cache(self) -> DecoderCache:
         """An empty key/value cache (one per layer) for `forward`, holding up to ``max_len``
@@ -380,7 +390,7 @@ class DecoderOnlyLM(nn.Module):
         return self.head(self.blocks(self.embed(tokens, positions), attn, cache=cache))
 
 
-class EncoderOnlyMLM(nn.Module):
+class EncoderOnlyMLM(_TokenStack):
     """A BERT-style encoder for masked-token prediction.
 
     Embeddings, a stack of `utils.transformer.EncoderLayer`s in which every token attends to
@@ -391,18 +401,14 @@ class EncoderOnlyMLM(nn.Module):
         tokens (B, L), mask (B, L) -> logits (B, L, V).
     """
 
+    always_final_norm = False
+
     def __init__(self, vocab_size: int, d_model: int = 64, nhead: int = 4, num_layers: int = 2,
                  dim_feedforward: int | None = None, dropout: float = 0.0,
                  activation: str = "gelu", norm_first: bool = False, max_len: int = 64,
                  tie_output: bool = True):
-        super().__init__()
-        kw = _stack_kwargs(d_model, nhead, dim_feedforward, dropout, activation, norm_first)
-        require_bool("tie_output", tie_output)
-        self.d_model = d_model
-        self.embed = InputEmbedding(vocab_size, d_model, max_len)
-        self.vocab_size, self.max_len = self.embed.vocab_size, self.embed.max_len
-        self.blocks = Encoder(num_layers, final_norm=norm_first, **kw)
-        self.head = _OutputHead(self.embed, tie_output)
+        super().__init__(vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout,
+                         activation, norm_first, max_len, tie_output)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V); ``mask`` (B, L) is True at real tokens."""

@@ -1,17 +1,19 @@
 """Checkers for the programming assignments: run a student's code and say what is wrong.
 
 One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_attention`,
-`a3_masks`, `a4_positional_layer_norm`, `a5_feed_forward`, `a6_encoder_layer`,
-`a7_decoder_layer`, `a8_train`), on a small shared core:
+`a3_masks` with `a3_mask_tests`, `a4_positional_layer_norm`, `a5_feed_forward`,
+`a6_encoder_layer`, `a7_decoder_layer`, `a8_train` with `a8_judges`), on a small shared core:
 
-* `core`: cases, the student side (`exercise`) and the trusted side (`Checker.judge`), results;
+* `core`: cases and the student side (`exercise`, `run_in_process`);
+* `checker` (with `compare`): the trusted side, a reference and its mistakes (`Checker.judge`);
+* `results`: what a check returns and prints (`CheckResult`);
 * `guard`: what each assignment forbids and how the grader notices it;
 * `sandbox` (with `child`, `zygote`, `protocol`, `kernel`, `poison` and `runners`): a submission
   run in its own confined process, for grading.
 
 The names below are imported on first use (PEP 562), so that the grader's sandboxed child can
-import the student side (`core`, `runners`, `child`) without the checkers' references: the
-child never holds the code that computes an expected value.
+import the student side (`core`, `results`, `runners`, `child`) without the checkers'
+references: the child never holds the code that computes an expected value.
 
 In a notebook, each ``check_*`` function runs its cases at once, prints one line per case and
 returns a `CheckResult` with ``.passed``, ``.score`` (the fraction of the points earned) and
@@ -29,8 +31,8 @@ _WHERE = {
     "check_causal_mask": "a3_masks",
     "check_padding_mask": "a3_masks",
     "check_batch_mask": "a3_masks",
-    "check_causal_mask_test": "a3_masks",
-    "check_batch_mask_test": "a3_masks",
+    "check_causal_mask_test": "a3_mask_tests",
+    "check_batch_mask_test": "a3_mask_tests",
     "check_positional_encoding": "a4_positional_layer_norm",
     "check_layer_norm": "a4_positional_layer_norm",
     "check_swiglu_feed_forward": "a5_feed_forward",
@@ -39,8 +41,8 @@ _WHERE = {
     "check_decoder_layer": "a7_decoder_layer",
     "check_training": "a8_train",
     "ASSIGNMENTS": "assignments",
-    "CaseResult": "core",
-    "CheckResult": "core",
+    "CaseResult": "results",
+    "CheckResult": "results",
 }
 
 __all__ = [

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
-from .core import Case, Checker, CheckResult, Mistake, Spec, run_in_process
+from .checker import Checker, Mistake
+from .core import Case, Spec, run_in_process
 from .guard import Assignment, Rule
+from .results import CheckResult
 
 __all__ = ["check_scaled_dot_product_attention", "CHECKER", "ASSIGNMENT"]
 
@@ -204,8 +206,12 @@ ASSIGNMENT = Assignment(
     rules=[
         Rule("module", "utils.attention", "imports utils.attention, the book's reference "
              "attention that this assignment asks you to write"),
+        Rule("module", "utils.fast_attention", "imports utils.fast_attention, whose functions "
+             "compute the attention that this assignment asks you to write"),
         Rule("module", "utils.transformer", "imports utils.transformer, which holds the "
              "reference attention"),
+        Rule("module", "utils.transformer_layers", "imports utils.transformer_layers, which "
+             "holds the reference attention"),
         Rule("module", "utils.models", "imports utils.models, which holds the reference "
              "attention"),
         Rule("builtin", "scaled_dot_product_attention", "calls torch's built-in "

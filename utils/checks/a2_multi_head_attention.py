@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from .a1_attention import attend
-from .core import Case, Checker, CheckResult, Mistake, Spec, run_in_process
+from .checker import Checker, Mistake
+from .core import Case, Spec, run_in_process
 from .guard import Assignment, Rule
+from .results import CheckResult
 
 __all__ = ["check_multi_head_attention", "CHECKER", "ASSIGNMENT", "mha"]
 
@@ -210,8 +212,12 @@ ASSIGNMENT = Assignment(
              qualname="MultiHeadAttention"),
         Rule("code", "utils.attention", "uses utils.attention.GroupedQueryAttention, a reference "
              "multi-head attention", qualname="GroupedQueryAttention"),
+        Rule("code", "utils.attention", "uses utils.attention's reference multi-head attention "
+             "(the base class of MultiHeadAttention)", qualname="_Attention"),
         Rule("module", "utils.transformer", "imports utils.transformer, which holds the "
              "reference multi-head attention"),
+        Rule("module", "utils.transformer_layers", "imports utils.transformer_layers, which "
+             "holds the reference multi-head attention"),
         Rule("module", "utils.models", "imports utils.models, which holds the reference "
              "multi-head attention"),
         Rule("code", "torch.nn.modules.activation", "uses torch's nn.MultiheadAttention, the "

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
-from .core import Case, Checker, CheckResult, Mistake, Spec, run_in_process
+from .checker import Checker, Mistake
+from .core import Case, Spec, run_in_process
 from .guard import Assignment, Rule
+from .results import CheckResult
 
 __all__ = ["check_positional_encoding", "check_layer_norm", "PE_CHECKER", "LN_CHECKER",
            "ASSIGNMENT", "sinusoid", "layer_norm"]
@@ -197,10 +199,8 @@ class LNChecker(Checker):
                 {"affine": False}),
         Mistake("weight and bias swapped: the output is x_hat * weight + bias",
                 {"swap_wb": True}),
-        Mistake("normalized over the wrong axis: take the mean and variance over the last axis "
-                "(the features of each position)", {"dim": 0}),
-        Mistake("normalized over the wrong axis: take the mean and variance over the last axis "
-                "(the features of each position)", {"dim": -2}),
+        *(Mistake("normalized over the wrong axis: take the mean and variance over the last "
+                  "axis (the features of each position)", {"dim": dim}) for dim in (0, -2)),
         Mistake("normalized over the whole tensor: take the mean and variance of each position "
                 "separately, over the last axis only", {"dim": "all"}),
         Mistake("the variance is the mean of x**2: subtract the mean first, mean((x - mean)**2)",
@@ -267,6 +267,8 @@ ASSIGNMENT = Assignment(
              checks=["check_layer_norm"]),
         Rule("module", "utils.transformer", "imports utils.transformer, which holds the "
              "reference layer norm", checks=["check_layer_norm"]),
+        Rule("module", "utils.transformer_layers", "imports utils.transformer_layers, which "
+             "holds the reference layer norm", checks=["check_layer_norm"]),
         Rule("code", "torch.nn.modules.normalization", "uses torch's nn.LayerNorm, the module "
              "this assignment asks you to write", qualname="LayerNorm",
              checks=["check_layer_norm"]),

@@ -21,38 +21,27 @@ come back like the input's, and reads ``last_routing`` after the call.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .core import (
-    Case,
-    Checker,
-    CheckResult,
-    Mistake,
-    Spec,
-    _allclose,
-    run_in_process,
-)
+from .checker import Checker, Mistake
+from .compare import allclose
+from .core import Case, Spec, run_in_process
 from .guard import Assignment, Rule
+from .results import CheckResult
 from .runners import A5_KIND as KIND
-from .runners import run_module
 
 __all__ = ["check_swiglu_feed_forward", "check_top_k_moe", "FFN_CHECKER", "MOE_CHECKER",
-           "ASSIGNMENT", "swiglu_ffn", "top_k_moe", "run_module", "KIND"]
+           "ASSIGNMENT", "swiglu_ffn", "top_k_moe", "KIND"]
 
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
     "none": lambda t: t,
 }
-
-
-# The student side (one runner for both modules) is `runners.run_module`.
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,24 +157,14 @@ def top_k_moe(p: dict[str, torch.Tensor], x: torch.Tensor, num_experts: int, k: 
 # The checkers
 
 
-_PARAM_LABEL = re.compile(r"the input `([^`]*\.[^`]*)`")
-
-
-class _Checker(Checker):
-    """The weights are inputs of the call here: call them parameters in hints."""
-
-    def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
-        hint = super().judge(spec, raw)
-        return _PARAM_LABEL.sub(r"the parameter `\1`", hint) if hint else hint
-
-
-class FeedForwardChecker(_Checker):
+class FeedForwardChecker(Checker):
     """The checker of ``SwiGLUFeedForward``."""
 
     name = "check_swiglu_feed_forward"
     target = "SwiGLUFeedForward"
     what = "your module"
     shape_desc = {"output": "(..., d_model)"}
+    weights_are_inputs = True
     mistakes = (
         Mistake("GELU instead of SiLU: SwiGLU gates with SiLU(z) = z sigmoid(z) (with GELU it "
                 "would be GEGLU)", {"act": "gelu"}),
@@ -216,22 +195,22 @@ class FeedForwardChecker(_Checker):
         return {"output": swiglu_ffn(x, x["x"], **options)}, {}
 
 
-class MoEChecker(_Checker):
+class MoEChecker(Checker):
     """The checker of ``TopKMoE``."""
 
     name = "check_top_k_moe"
     target = "TopKMoE"
     what = "your module"
     shape_desc = {"output": "(..., d_model)", "aux_loss": "()", "routing": "(..., k)"}
+    weights_are_inputs = True
     mistakes = (
         Mistake("the top-k probabilities are not renormalized: divide them by their sum so that "
                 "each token's k weights add up to 1, as Mixtral does (with k = 1 the weight is "
                 "then exactly 1; the Switch Transformer and chapter 6 keep p instead, this "
                 "assignment does not)", {"weights": "raw"}),
-        Mistake("the softmax runs over the tokens, not over the experts: take it over the last "
-                "axis of the router's logits, (..., num_experts)", {"softmax_dim": "positions"}),
-        Mistake("the softmax runs over the tokens, not over the experts: take it over the last "
-                "axis of the router's logits, (..., num_experts)", {"softmax_dim": "all_tokens"}),
+        *(Mistake("the softmax runs over the tokens, not over the experts: take it over the "
+                  "last axis of the router's logits, (..., num_experts)", {"softmax_dim": dim})
+          for dim in ("positions", "all_tokens")),
         Mistake("the router's raw logits are used as weights: turn them into probabilities with "
                 "a softmax over the experts, then keep the top k and renormalize",
                 {"weights": "logits"}),
@@ -273,7 +252,7 @@ class MoEChecker(_Checker):
                       name: str) -> str | None:
         if name == "routing":
             got, want = raw["tensors"]["out:routing"], ref["out:routing"]
-            if tuple(got.shape) == tuple(want.shape) and not _allclose(got, want, 0.0, 0.0) \
+            if tuple(got.shape) == tuple(want.shape) and not allclose(got, want, 0.0, 0.0) \
                     and torch.equal(got.sort(-1).values, want.sort(-1).values):
                 return ("`last_routing` holds the right experts but not in order: list each "
                         "token's experts from the most probable down, as torch.topk does")
@@ -281,7 +260,7 @@ class MoEChecker(_Checker):
 
     def localize(self, spec: Spec, tensors: dict[str, torch.Tensor],
                  ref: dict[str, torch.Tensor], name: str) -> str:
-        if name == "output" and "out:routing" in tensors and _allclose(
+        if name == "output" and "out:routing" in tensors and allclose(
                 tensors["out:routing"], ref["out:routing"], 0.0, 0.0):
             return ("`last_routing` is right, so look at how the experts' outputs are weighted "
                     "and added up, and at your SwiGLUFeedForward, which the experts are (does it "
@@ -378,6 +357,8 @@ _FORBIDDEN_UTILS = (
                      "(PositionwiseFeedForward with SwiGLU, MixtureOfExperts)"),
     ("utils.transformer", "imports utils.transformer, which holds the reference feed-forward "
                           "network"),
+    ("utils.transformer_layers", "imports utils.transformer_layers, which holds the reference "
+                                 "feed-forward network"),
     ("utils.models", "imports utils.models, which holds the reference feed-forward network"),
 )
 

@@ -22,46 +22,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .a2_multi_head_attention import mha, mha_params
-from .a6_encoder_layer import (
-    _ACTS,
-    SHARED_DROPOUT_MISTAKES,
-    exact_dropout,
-    feed_forward,
-    ff_and_norm_params,
-    trace_recorder,
-)
-from .core import (
-    Case,
-    Checker,
-    CheckResult,
-    Mistake,
-    Spec,
-    run_in_process,
-)
+from . import sublayers as parts
+from .a3_masks import Reference, length_case
+from .checker import Checker, Mistake, combined
+from .core import Case, Spec, run_in_process
 from .guard import Assignment, Rule
+from .results import CheckResult
 from .runners import CAUSALITY_KIND, MASK_KIND
 
 __all__ = ["check_decoder_layer", "CHECKER", "ASSIGNMENT", "decoder_layer", "causal_variant"]
 
 
 
+_CAUSAL_VARIANTS = {"strict": {"rule": "no_diagonal"}, "ahead": {"rule": "sees_next"},
+                    "upper": {"rule": "upper"}, "inverted": {"invert": True},
+                    "additive": {"form": "additive"}}
+
+
 def causal_variant(length: int, variant: str = "ok") -> torch.Tensor:
-    """The (L, L) causal mask (bool, True = may attend), or one of the usual wrong ones."""
-    ones = torch.ones(length, length, dtype=torch.bool)
-    if variant == "strict":  # the diagonal hidden: position i sees 0..i-1
-        return ones.tril(-1)
-    if variant == "ahead":  # off by one: position i sees 0..i+1
-        return ones.tril(1)
-    if variant == "upper":  # transposed
-        return ones.triu()
-    if variant == "inverted":  # polarity inverted
-        return ~ones.tril()
-    if variant == "additive":  # PyTorch's float convention
-        return torch.zeros(length, length).masked_fill(~ones.tril(), float("-inf"))
-    return ones.tril()
+    """The (L, L) causal mask (bool, True = may attend), or one of the usual wrong ones: "strict"
+    (the diagonal hidden), "ahead" (off by one: position i sees 0..i+1), "upper" (transposed),
+    "inverted" (polarity), "additive" (PyTorch's float convention)."""
+    return Reference.causal(length, **_CAUSAL_VARIANTS.get(variant, {}))
 
 
 def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Tensor,
@@ -85,42 +68,29 @@ def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Ten
     pre-LN: ``x = x + SA(norm1(x)); x = x + CA(norm2(x), memory); x = x + FF(norm3(x))``.
     Dropout is modelled for p = 0 and p = 1 only (the checker's cases), where it is exact.
     """
-    d = x.shape[-1]
     names = {"sa": "norm1", "ca": "norm2", "ff": "norm3"}
     if swap_norms == "23":
         names["ca"], names["ff"] = "norm3", "norm2"
     elif swap_norms == "12":
         names["sa"], names["ca"] = "norm2", "norm1"
     masks = {"tgt": tgt_mask, "memory": memory_mask, "none": None}
-    activation_fn = _ACTS[act or activation]
+    activation_fn = parts.ACTIVATIONS[act or activation]
     p_drop = dropout if (train or drop_in_eval) else 0.0
-    trace = {} if trace is None else trace
-
-    record = trace_recorder(trace)
-    dropped = exact_dropout(p_drop)
-
-    def norm(y: torch.Tensor, name: str) -> torch.Tensor:
-        return record(name, y, F.layer_norm(y, (d,), p[f"{name}.weight"], p[f"{name}.bias"],
-                                            1e-5))
+    record = parts.trace_recorder({} if trace is None else trace)
+    dropped = parts.exact_dropout(p_drop)
+    layer = parts.Sublayers(p, nhead, record, dropped, drop, residual, attend_kw)
+    norm, add = layer.norm, layer.add
 
     def sa(y: torch.Tensor) -> torch.Tensor:
-        out = record("self_attn", y, mha(p, nhead, y, y, y, masks[sa_mask], prefix="self_attn.",
-                                         **attend_kw))
-        return out if drop == "no_sa" else dropped(out)
+        return layer.attend("self_attn", y, y, masks[sa_mask], "no_sa")
 
     def ca(y: torch.Tensor) -> torch.Tensor:
         mem = norm(memory, names["ca"]) if norm_memory else memory
         q, kv = {"ok": (y, mem), "swap_qk": (mem, y), "kv_from_x": (y, y)}[cross]
-        out = record("multihead_attn", q, mha(p, nhead, q, kv, kv, masks[ca_mask],
-                                              prefix="multihead_attn.", **attend_kw))
-        return out if drop == "no_ca" else dropped(out)
+        return layer.attend("multihead_attn", q, kv, masks[ca_mask], "no_ca")
 
     def ff(y: torch.Tensor) -> torch.Tensor:
-        return feed_forward(p, y, activation_fn, dropped, record, drop)
-
-    def add(y: torch.Tensor, f_y: torch.Tensor, which: str) -> torch.Tensor:
-        out = f_y if residual in ("none", which) else y + f_y
-        return dropped(out) if drop == "sum" else out
+        return parts.feed_forward(p, y, activation_fn, dropped, record, drop)
 
     if norm_first != flip_norm_first:
         h = norm(x, names["sa"])
@@ -143,6 +113,70 @@ def decoder_layer(p: dict[str, torch.Tensor], x: torch.Tensor, memory: torch.Ten
 # The trusted side
 
 
+# The mistakes of the layer and of its causal mask, in the order they are looked for.
+MISTAKES = (
+    # the causal mask
+    Mistake("the causal mask is off by one: it lets position i see position i + 1 too; "
+            "position i may attend to positions 0..i (tril with diagonal 0)",
+            {"causal": "ahead"}),
+    Mistake("the causal mask hides the diagonal: position i may attend to positions 0..i, "
+            "itself included (tril with diagonal 0, not -1)", {"causal": "strict"}),
+    Mistake("the causal mask is transposed (triu): row i is query i and must allow the keys "
+            "0..i, a lower-triangular matrix", {"causal": "upper"}),
+    Mistake("causal mask polarity inverted: True means 'may attend', so the keys j <= i are "
+            "True", {"causal": "inverted"}),
+    Mistake("an additive float mask (0 and -inf), PyTorch's convention for nn.Transformer: "
+            "the book's masks are bool, True = may attend", {"causal": "additive"}),
+    # the masks in the layer
+    Mistake("the target mask is ignored, so the causal mask never reaches the "
+            "self-attention: pass tgt_mask to self_attn", {"sa_mask": "none"}),
+    Mistake("the memory mask is ignored: pass memory_mask to the cross-attention, so that "
+            "source padding gets no weight", {"ca_mask": "none"}),
+    Mistake("the memory mask is applied to the self-attention (and tgt_mask is ignored): "
+            "tgt_mask goes to self_attn, memory_mask to multihead_attn",
+            {"sa_mask": "memory"}),
+    Mistake("the two masks are swapped: tgt_mask goes to self_attn, memory_mask to "
+            "multihead_attn", {"sa_mask": "memory", "ca_mask": "tgt"}),
+    Mistake("the target mask is applied to the cross-attention: the memory is known whole, "
+            "only its padding is masked, with memory_mask", {"ca_mask": "tgt"}),
+    parts.LAYER_MISTAKES["mask_3d"],
+    parts.LAYER_MISTAKES["mask_inverted"],
+    # cross-attention
+    Mistake("cross-attention's queries and keys swapped: the queries come from the decoder "
+            "(x), the keys and values from memory, multihead_attn(x, memory, memory)",
+            {"cross": "swap_qk"}),
+    Mistake("the cross-attention attends over x, not over memory: multihead_attn(x, memory, "
+            "memory)", {"cross": "kv_from_x"}),
+    Mistake("in pre-LN the cross-attention's queries are the un-normalized x: use "
+            "x + CA(norm2(x), memory)", {"ca_query": "raw"}),
+    Mistake("the memory is normalized (by norm2) before the cross-attention: norm2 "
+            "normalizes only the decoder's x; the memory is used as it comes",
+            {"norm_memory": True}),
+    # norms and residuals
+    parts.LAYER_MISTAKES["flip_norm_first"],
+    *(Mistake(f"norm{a} and norm{b} swapped: norm1 goes with self-attention, norm2 with "
+              "cross-attention, norm3 with the feed-forward network", {"swap_norms": f"{a}{b}"})
+      for a, b in ((2, 3), (1, 2))),
+    Mistake("in pre-LN the residual is taken from norm(x): add each sublayer's output to x "
+            "itself, x + f(norm(x))", {"pre_from_norm": True}),
+    Mistake("a pre-LN layer that normalizes its output at the end: the layer returns "
+            "x + FF(norm3(x)) as it is; the final norm belongs to the stack "
+            "(nn.TransformerDecoder's norm)", {"final_norm": True}),
+    parts.LAYER_MISTAKES["no_residual"],
+    parts.LAYER_MISTAKES["no_ca_residual"],
+    parts.LAYER_MISTAKES["no_sa_residual"],
+    parts.LAYER_MISTAKES["no_ff_residual"],
+    # feed-forward
+    *(parts.LAYER_MISTAKES[k] for k in ("act_ignored", "gelu_tanh_decoder", "no_act")),
+    # dropout
+    *(Mistake(f"no dropout on the {block} output: apply it to each sublayer's output before "
+              "the residual sum", {"drop": key}, combine=False)
+      for block, key in (("cross-attention", "no_ca"), ("self-attention", "no_sa"),
+                         ("feed-forward", "no_ff"))),
+    *parts.SHARED_DROPOUT_MISTAKES,
+)
+
+
 class DecoderChecker(Checker):
     """The checker of the ``DecoderLayer`` module (and of its ``causal_mask``)."""
 
@@ -151,80 +185,7 @@ class DecoderChecker(Checker):
     what = "your layer"
     shape_desc = {"output": "(B, L_t, d_model)", "output_changed": "(B, L_t, d_model)",
                   "mask": "(L, L)"}
-    mistakes = (
-        # the causal mask
-        Mistake("the causal mask is off by one: it lets position i see position i + 1 too; "
-                "position i may attend to positions 0..i (tril with diagonal 0)",
-                {"causal": "ahead"}),
-        Mistake("the causal mask hides the diagonal: position i may attend to positions 0..i, "
-                "itself included (tril with diagonal 0, not -1)", {"causal": "strict"}),
-        Mistake("the causal mask is transposed (triu): row i is query i and must allow the keys "
-                "0..i, a lower-triangular matrix", {"causal": "upper"}),
-        Mistake("causal mask polarity inverted: True means 'may attend', so the keys j <= i are "
-                "True", {"causal": "inverted"}),
-        Mistake("an additive float mask (0 and -inf), PyTorch's convention for nn.Transformer: "
-                "the book's masks are bool, True = may attend", {"causal": "additive"}),
-        # the masks in the layer
-        Mistake("the target mask is ignored, so the causal mask never reaches the "
-                "self-attention: pass tgt_mask to self_attn", {"sa_mask": "none"}),
-        Mistake("the memory mask is ignored: pass memory_mask to the cross-attention, so that "
-                "source padding gets no weight", {"ca_mask": "none"}),
-        Mistake("the memory mask is applied to the self-attention (and tgt_mask is ignored): "
-                "tgt_mask goes to self_attn, memory_mask to multihead_attn",
-                {"sa_mask": "memory"}),
-        Mistake("the two masks are swapped: tgt_mask goes to self_attn, memory_mask to "
-                "multihead_attn", {"sa_mask": "memory", "ca_mask": "tgt"}),
-        Mistake("the target mask is applied to the cross-attention: the memory is known whole, "
-                "only its padding is masked, with memory_mask", {"ca_mask": "tgt"}),
-        Mistake("a 3-dimensional mask (B, L, L) lines up its batch axis with the heads: it needs "
-                "a head axis, (B, 1, L, L)", {"head_axis": False}),
-        Mistake("mask polarity inverted: True means 'may attend'", {"invert": True}),
-        # cross-attention
-        Mistake("cross-attention's queries and keys swapped: the queries come from the decoder "
-                "(x), the keys and values from memory, multihead_attn(x, memory, memory)",
-                {"cross": "swap_qk"}),
-        Mistake("the cross-attention attends over x, not over memory: multihead_attn(x, memory, "
-                "memory)", {"cross": "kv_from_x"}),
-        Mistake("in pre-LN the cross-attention's queries are the un-normalized x: use "
-                "x + CA(norm2(x), memory)", {"ca_query": "raw"}),
-        Mistake("the memory is normalized (by norm2) before the cross-attention: norm2 "
-                "normalizes only the decoder's x; the memory is used as it comes",
-                {"norm_memory": True}),
-        # norms and residuals
-        Mistake("pre-LN and post-LN swapped: with norm_first=True normalize before each "
-                "sublayer, x + f(norm(x)); with norm_first=False normalize after the residual "
-                "sum, norm(x + f(x))", {"flip_norm_first": True}),
-        Mistake("norm2 and norm3 swapped: norm1 goes with self-attention, norm2 with "
-                "cross-attention, norm3 with the feed-forward network", {"swap_norms": "23"}),
-        Mistake("norm1 and norm2 swapped: norm1 goes with self-attention, norm2 with "
-                "cross-attention, norm3 with the feed-forward network", {"swap_norms": "12"}),
-        Mistake("in pre-LN the residual is taken from norm(x): add each sublayer's output to x "
-                "itself, x + f(norm(x))", {"pre_from_norm": True}),
-        Mistake("a pre-LN layer that normalizes its output at the end: the layer returns "
-                "x + FF(norm3(x)) as it is; the final norm belongs to the stack "
-                "(nn.TransformerDecoder's norm)", {"final_norm": True}),
-        Mistake("the residual connections are missing: add each sublayer's input to its output",
-                {"residual": "none"}),
-        Mistake("the cross-attention block's residual is missing: x + CA(...), not CA(...) alone",
-                {"residual": "ca"}),
-        Mistake("the self-attention block's residual is missing: x + SA(...), not SA(...) alone",
-                {"residual": "sa"}),
-        Mistake("the feed-forward block's residual is missing: x + FF(...), not FF(...) alone",
-                {"residual": "ff"}),
-        # feed-forward
-        Mistake("the activation argument is ignored (always ReLU)", {"act": "relu"}),
-        Mistake("GELU with the tanh approximation: use the exact GELU (F.gelu), as torch's "
-                "decoder layer does", {"act": "gelu_tanh"}),
-        Mistake("no activation between linear1 and linear2", {"act": "none"}),
-        # dropout
-        Mistake("no dropout on the cross-attention output: apply it to each sublayer's output "
-                "before the residual sum", {"drop": "no_ca"}, combine=False),
-        Mistake("no dropout on the self-attention output: apply it to each sublayer's output "
-                "before the residual sum", {"drop": "no_sa"}, combine=False),
-        Mistake("no dropout on the feed-forward output: apply it to each sublayer's output "
-                "before the residual sum", {"drop": "no_ff"}, combine=False),
-        *SHARED_DROPOUT_MISTAKES,
-    )
+    mistakes = MISTAKES
 
     def all_mistakes(self) -> list[Mistake]:
         """None here: `extra_variants` gives, case by case, the mistakes that can show in it."""
@@ -259,19 +220,11 @@ class DecoderChecker(Checker):
         singles = [m for m in self.mistakes if shows(m)]
         if dropout:  # where dropout is tested, a dropout mistake is the likelier explanation
             singles.sort(key=lambda m: not ("drop" in m.options or "drop_in_eval" in m.options))
-        pool = [m for m in singles if m.combine]
-        pairs = [Mistake(f"{a.hint}; and {b.hint}", {**a.options, **b.options})
-                 for i, a in enumerate(pool) for b in pool[i + 1:]
-                 if not set(a.options) & set(b.options)]
-        return singles + pairs
+        return singles + combined([m for m in singles if m.combine])
 
     def judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
-        hint = super().judge(spec, raw)
+        hint = parts.dropout_build_note(spec, raw, super().judge(spec, raw), "the attentions")
         status = raw.get("status")
-        if hint and status == "build" and len(spec.ctor_args) > 3 and spec.ctor_args[3] == 1.0:
-            hint += (" (the checker builds your layer with dropout=1.0, which nn.Dropout accepts, "
-                     "to see where dropout acts: build the attentions without dropout, as the "
-                     "assignment says)")
         if (hint and status == "call" and spec.kind != MASK_KIND
                 and ("must match" in hint or "broadcast" in hint)):
             l_t, l_s = spec.tensors["x"].shape[1], spec.tensors["memory"].shape[1]
@@ -281,9 +234,8 @@ class DecoderChecker(Checker):
                          "and values from memory, so its output has x's length, and each mask "
                          "goes to its own attention: tgt_mask to self_attn, memory_mask to "
                          "multihead_attn)")
-        if hint and status == "ok" and spec.kind == CAUSALITY_KIND:
-            hint = self._causality(spec, raw["tensors"]) + hint
-        return hint
+        causality = hint and status == "ok" and spec.kind == CAUSALITY_KIND
+        return self._causality(spec, raw["tensors"]) + hint if causality else hint
 
     def _causality(self, spec: Spec, tensors: dict[str, torch.Tensor]) -> str:
         """What the two raw outputs say about looking ahead, as the start of the hint."""
@@ -312,27 +264,16 @@ class DecoderChecker(Checker):
               **options}
         if spec.kind == CAUSALITY_KIND:
             tgt_mask = causal_variant(x["x"].shape[1], causal)
-            memory_mask = x.get("memory_mask")
-            return {"output": decoder_layer(p, x["x"], x["memory"], tgt_mask, memory_mask, **kw),
-                    "output_changed": decoder_layer(p, x["x_changed"], x["memory"], tgt_mask,
-                                                    memory_mask, **kw)}, {}
+            return {out: decoder_layer(p, x[name], x["memory"], tgt_mask, x.get("memory_mask"),
+                                       **kw)
+                    for out, name in (("output", "x"), ("output_changed", "x_changed"))}, {}
         trace: dict[str, torch.Tensor] = {}
         out = decoder_layer(p, x["x"], x["memory"], x.get("tgt_mask"), x.get("memory_mask"),
                             trace=trace, **kw)
         return {"output": out}, trace
 
 
-def _params(gen: torch.Generator, d: int, d_ff: int) -> dict[str, torch.Tensor]:
-    params = mha_params(gen, d, "self_attn.")
-    params.update(mha_params(gen, d, "multihead_attn."))
-    params.update(ff_and_norm_params(gen, d, d_ff, ("norm1", "norm2", "norm3")))
-    return params
-
-
-def _real(gen: torch.Generator, b: int, length: int) -> torch.Tensor:
-    """(B, length) bool, True = real token; the first sequence is full, the others random."""
-    lengths = [length] + [int(v) for v in torch.randint(1, length, (b - 1,), generator=gen)]
-    return torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+_ATTENTIONS, _NORMS = ("self_attn", "multihead_attn"), ("norm1", "norm2", "norm3")
 
 
 def _case(b: int, l_t: int, l_s: int, d: int, nhead: int, d_ff: int, norm_first: bool,
@@ -341,51 +282,40 @@ def _case(b: int, l_t: int, l_s: int, d: int, nhead: int, d_ff: int, norm_first:
     """A module case; ``tgt`` is None, "causal" ((L_t, L_t)) or "causal_pad" ((B, L_t, L_t):
     causal and target padding)."""
     def make(gen: torch.Generator) -> Spec:
-        params = _params(gen, d, d_ff)
+        params = parts.layer_params(gen, d, d_ff, _ATTENTIONS, _NORMS)
         tensors = {"x": torch.randn(b, l_t, d, generator=gen),
                    "memory": torch.randn(b, l_s, d, generator=gen)}
-        kwargs = {}
         if tgt:
             causal = torch.ones(l_t, l_t, dtype=torch.bool).tril()
             tensors["tgt_mask"] = (causal if tgt == "causal" else
-                                   causal[None] & _real(gen, b, l_t)[:, None, :])
-            kwargs["tgt_mask"] = "tgt_mask"
+                                   causal[None] & parts.padding_real(gen, b, l_t)[:, None, :])
         if memory_pad:
-            tensors["memory_mask"] = _real(gen, b, l_s)[:, None, None, :]
-            kwargs["memory_mask"] = "memory_mask"
-        return Spec("module", tensors, ["x", "memory"], kwargs,
-                    ctor_args=[d, nhead, d_ff, dropout],
-                    ctor_kwargs={"activation": activation, "norm_first": norm_first},
-                    params=params, train=train,
-                    grad_out={"output": torch.randn(b, l_t, d, generator=gen)},
-                    grad_inputs=["x", "memory"],
-                    trace=["norm1", "self_attn", "norm2", "multihead_attn", "norm3", "linear1",
-                           "linear2"])
-    return make
-
-
-def _mask_case(length: int) -> Any:
-    def make(gen: torch.Generator) -> Spec:
-        return Spec(MASK_KIND, {}, [], literals=[length], outputs=["mask"],
-                    out_dtype="torch.bool")
+            tensors["memory_mask"] = parts.padding_real(gen, b, l_s)[:, None, None, :]
+        kwargs = {k: k for k in ("tgt_mask", "memory_mask") if k in tensors}
+        return parts.layer_spec("module", tensors, ["x", "memory"], kwargs,
+                                (d, nhead, d_ff, dropout), activation, norm_first, params,
+                                train=train,
+                                grad_out={"output": torch.randn(b, l_t, d, generator=gen)},
+                                grad_inputs=["x", "memory"],
+                                trace=["norm1", "self_attn", "norm2", "multihead_attn", "norm3",
+                                       "linear1", "linear2"])
     return make
 
 
 def _causality_case(b: int, length: int, d: int, nhead: int, d_ff: int, norm_first: bool) -> Any:
     def make(gen: torch.Generator) -> Spec:
-        params = _params(gen, d, d_ff)
+        params = parts.layer_params(gen, d, d_ff, _ATTENTIONS, _NORMS)
         x = torch.randn(b, length, d, generator=gen)
         t = int(torch.randint(1, length, (1,), generator=gen))
         changed = x.clone()
         changed[:, t:] = torch.randn(b, length - t, d, generator=gen)
         tensors = {"x": x, "x_changed": changed,
                    "memory": torch.randn(b, length, d, generator=gen),
-                   "memory_mask": _real(gen, b, length)[:, None, None, :]}
-        return Spec(CAUSALITY_KIND, tensors, ["x", "memory"], {"memory_mask": "memory_mask"},
-                    ctor_args=[d, nhead, d_ff, 0.0],
-                    ctor_kwargs={"activation": "relu", "norm_first": norm_first},
-                    params=params, outputs=["output", "output_changed"],
-                    config={"changed_from": t})
+                   "memory_mask": parts.padding_real(gen, b, length)[:, None, None, :]}
+        return parts.layer_spec(CAUSALITY_KIND, tensors, ["x", "memory"],
+                                {"memory_mask": "memory_mask"}, (d, nhead, d_ff, 0.0), "relu",
+                                norm_first, params, outputs=["output", "output_changed"],
+                                config={"changed_from": t})
     return make
 
 
@@ -405,7 +335,7 @@ CHECKER = DecoderChecker([
          "target padding), source padding (2, 1, 1, 7)",
          _case(2, 5, 7, 8, 2, 16, True, "gelu", tgt="causal_pad", memory_pad=True), points=2),
     Case("causal_mask", "DecoderLayer.causal_mask(7): (7, 7) bool, True = may attend",
-         _mask_case(7), points=1),
+         length_case(7, kind=MASK_KIND), points=1),
     Case("causality", "causality: changing the target from a position t on changes no output "
          "before t (pre-LN, your causal_mask, source padding)",
          _causality_case(2, 6, 8, 2, 16, True), points=2),
@@ -421,15 +351,7 @@ ASSIGNMENT = Assignment(
     name="a7_decoder_layer",
     checkers=[CHECKER],
     rules=[
-        Rule("module", "utils.transformer", "imports utils.transformer, the book's reference "
-             "decoder layer that this assignment asks you to write"),
-        Rule("module", "utils.models", "imports utils.models, which holds the reference "
-             "decoder layer"),
-        Rule("code", "torch.nn.modules.transformer", "uses torch's nn.TransformerDecoderLayer, "
-             "the module this assignment asks you to write",
-             qualname="TransformerDecoderLayer"),
-        Rule("code", "torch.nn.modules.transformer", "uses torch's nn.TransformerDecoder",
-             qualname="TransformerDecoder"),
+        *parts.layer_rules("decoder"),
         Rule("code", "torch.nn.modules.transformer", "uses torch's nn.Transformer (its "
              "generate_square_subsequent_mask is the causal mask this assignment asks for)",
              qualname="Transformer"),

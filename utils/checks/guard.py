@@ -10,7 +10,7 @@ Three layers enforce them:
 * in the sandboxed child (`utils.checks.child`, `utils.checks.poison`), before the student's
   first line: the forbidden operators and Python code are replaced by code that reports the
   call and raises, whatever the route to them, and forbidden modules are neither loaded nor
-  readable (`utils.checks.kernel`'s Landlock policy, built by `utils.checks.sandbox`);
+  readable (`utils.checks.kernel`'s Landlock policy, built by `utils.checks.policy`);
 * the grader, not the child, decides what a report means for the score.
 """
 

@@ -1,15 +1,14 @@
 """A process that has imported torch once and forks one sandboxed child per request.
 
 Starting a fresh Python process and importing torch takes seconds, far longer than grading a
-notebook. The grader (`utils.checks.sandbox`) therefore starts this process once, as ``python -I
--B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets, and asks it
-over a Unix socket (the file descriptor FD) for children. The zygote imports what a fresh child
-imports before its first instruction (torch and `utils.checks.child`, with the student side of
-the checkers: `core` and `runners`) and the parts of torch that every notebook imports anyway
-(`preload`), never any student code, no checker's reference and none of the book's modules that
-an assignment forbids. It never sees a case: the
-grader draws the inputs in its own process and sends them straight to the child over the child's
-own pipes.
+notebook. The grader (`utils.checks.zygote_client`) therefore starts this process once, as
+``python -I -B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets,
+and asks it over a Unix socket (the file descriptor FD) for children. The zygote imports what a
+fresh child imports before its first instruction (torch and `utils.checks.child`, with the
+student side of the checkers: `core`, `results` and `runners`) and the parts of torch that every
+notebook imports anyway (`preload`), never any student code, no checker's reference and none of the
+book's modules that an assignment forbids. It never sees a case: the grader draws the inputs in
+its own process and sends them straight to the child over the child's own pipes.
 
 What a forked child inherits, and what it does about it before the student's first line:
 
@@ -98,10 +97,11 @@ def _kill(pid: int) -> None:
 
 
 def preload() -> None:
-    """Import the parts of torch that every notebook pulls in lazily, once for all children.
+    """Import the parts of torch that notebooks pull in lazily, once for all children.
 
-    Each notebook calls ``seed_everything``, whose ``torch.use_deterministic_algorithms`` imports
-    ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds per child.
+    A notebook may call ``torch.use_deterministic_algorithms`` itself, which imports
+    ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds, and parts
+    of it (torch's decompositions) are unreadable to a child under a rule on torch's operators.
     It is torch's own code; the assignments' rules concern the book's modules, which stay out.
     matplotlib, which many notebooks import, is loaded here too (see below).
     """

@@ -1,0 +1,160 @@
+"""How `make test` runs everything in one pytest session on two workers.
+
+The README's test command runs, at once: the unit tests, every notebook under nbval, every
+notebook again as another CPU would run it, and the built book in a browser. pytest-xdist hands
+each worker one *group* at a time (``--dist loadscope``, with the groups of this file's scheduler),
+and this file decides the groups and their order:
+
+* every test module is one group (its module-scoped fixtures, such as a grading run, are then
+  made once, on one worker), every notebook is one group (nbval runs a notebook's cells in order,
+  in one kernel), and the tests marked ``book`` are one group (the book is built once, then
+  visited by one browser);
+* ``--nbval-generic-cpu`` collects every notebook a second time, as a group of its own whose
+  kernel starts with PyTorch's generic kernels (no AVX2 or AVX-512) and MKL limited to SSE4.2, so
+  that float sums happen in another order: a stored output that depends on that order fails here
+  instead of on a reader's laptop;
+* the groups are queued longest first (the book, then the notebooks, slowest first, then the
+  test modules), so that no worker is left with a long group while the other one idles.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Environment of a kernel that computes as another CPU would (see CONVENTIONS: "Every notebook").
+GENERIC_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+# Appended to a notebook's node id for its second run. Neither "@" nor "]" may appear in a node id
+# that pytest-xdist groups ("@" separates the group's name, "]" ends a parameter).
+GENERIC_SUFFIX = "+generic-cpu"
+# The modules of the tests that use the built book (the `built_book` fixture): one group, so that
+# the book is built once, into one folder, and visited by one browser. Such a test elsewhere stops
+# the run (see pytest_collection_modifyitems).
+BOOK_TEST_MODULES = (
+    "tests/test_book.py", "tests/test_browser.py", "tests/test_browser_explorer.py",
+    "tests/test_commands.py",
+)
+
+# Notebooks that take longest, first (measured with `make execute`); the rest follow in the
+# order they are collected. Only the order of the queue depends on this list, never a result.
+SLOWEST_NOTEBOOKS = (
+    "09_transformer", "10_model_families", "07_layer_norm_and_residuals",
+    "12_images_and_convolution", "11_attention_beyond_text", "13_fast_attention",
+    "a8_train", "08_encoder", "05_positional_encoding", "06_feed_forward",
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--nbval-generic-cpu", action="store_true", default=False,
+        help="with --nbval: run every notebook a second time on PyTorch's generic CPU kernels",
+    )
+
+
+def _generic_notebook_class():
+    from nbval.plugin import IPyNbFile
+
+    class GenericCpuNotebook(IPyNbFile):
+        """A notebook whose kernel starts with `GENERIC_CPU_ENV` (and nothing else changed)."""
+
+        def setup(self):
+            saved = {k: os.environ.get(k) for k in GENERIC_CPU_ENV}
+            os.environ.update(GENERIC_CPU_ENV)
+            try:
+                super().setup()  # starts the kernel, which copies the environment now
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+
+    return GenericCpuNotebook
+
+
+def pytest_collect_file(file_path: Path, parent):
+    opt = parent.config.option
+    if file_path.suffix == ".ipynb" and opt.nbval and parent.config.getoption("nbval_generic_cpu"):
+        cls = _generic_notebook_class()
+        name = file_path.name + GENERIC_SUFFIX
+        nodeid = f"{parent.nodeid}/{name}" if parent.nodeid else name
+        return cls.from_parent(parent, path=file_path, name=name, nodeid=nodeid)
+    return None
+
+
+def _rank(item: pytest.Item) -> tuple[int, int]:
+    """Where an item's group goes in the queue: the book, the notebooks (slowest first), the
+    test modules."""
+    if _module(item.nodeid) in BOOK_TEST_MODULES:
+        return (0, 0)
+    path = Path(str(item.path))
+    if path.suffix == ".ipynb":
+        known = SLOWEST_NOTEBOOKS
+        return (1, known.index(path.stem) if path.stem in known else len(known))
+    return (2, 0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker, queue the groups longest first (the controller hands them out
+    in the order the workers collected them)."""
+    if not hasattr(config, "workerinput"):
+        return
+    strays = {_module(i.nodeid) for i in items if "built_book" in getattr(i, "fixturenames", ())
+              and _module(i.nodeid) not in BOOK_TEST_MODULES}
+    if strays:
+        raise pytest.UsageError(f"add these modules, which use built_book, to BOOK_TEST_MODULES "
+                                f"in conftest.py: {sorted(strays)}")
+    items.sort(key=_rank)  # stable: within a group, and among equals, collection order stays
+
+
+def _module(nodeid: str) -> str:
+    """The test module or the notebook (native or generic CPU) of a node id."""
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadscope``, hand out whole groups: a test module, a notebook, or all the
+    book tests together. (pytest-xdist's ``loadgroup`` marks cannot do it: it renames nodes by
+    an attribute that pytest 9 no longer reads.)"""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "book" if module in BOOK_TEST_MODULES else module
+
+    return GroupScheduling(config, log)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the time goes: each group's time (setup, call and teardown of its tests), summed.
+_GROUP_SECONDS: dict[str, float] = {}
+TIMES_FILE = Path(__file__).resolve().parent / "test-artifacts" / "test-times.json"
+
+
+def pytest_runtest_logreport(report):
+    """Runs where the report is made and, under pytest-xdist, again in the controller."""
+    group = _module(report.nodeid)
+    _GROUP_SECONDS[group] = _GROUP_SECONDS.get(group, 0.0) + float(report.duration or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _GROUP_SECONDS:
+        return
+    import json
+
+    ranked = sorted(_GROUP_SECONDS.items(), key=lambda kv: -kv[1])
+    total = sum(_GROUP_SECONDS.values())
+    TIMES_FILE.parent.mkdir(exist_ok=True)
+    TIMES_FILE.write_text(json.dumps(dict(ranked), indent=1) + "\n", encoding="utf-8")
+    terminalreporter.write_line(
+        f"time by group: {total:.0f} s over {len(ranked)} groups (summed over workers); "
+        "the slowest: "
+        + ", ".join(f"{g} {s:.0f} s" for g, s in ranked[:8])
+        + f" (all in {TIMES_FILE.relative_to(TIMES_FILE.parent.parent)})")

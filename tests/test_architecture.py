@@ -1,0 +1,129 @@
+"""The library's shape: small modules, small classes, and imports that go one way only.
+
+CONTRIBUTING.md explains the layers; this file keeps them true. A module that grows past its
+limit, or a piece that starts importing a stack, fails here with the place to look at.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from notebooks import ROOT
+
+UTILS = ROOT / "utils"
+MODULE_LINES = 500  # any module of the library
+CHECKER_LINES = 400  # an assignment's checker, utils/checks/aN_*.py
+CLASS_LINES = 120  # any class, from its first decorator to its last line
+
+# Each module of the library sits on one level and imports only from its own level or below.
+LEVELS = {
+    # foundations: argument checks, comparisons, glue, the seed
+    "utils": 0, "utils._validation": 0, "utils.compare": 0, "utils.glue": 0,
+    # pieces (chapters 1-7, 11-13): each is one idea, proved equal to PyTorch's
+    "utils.convert": 1, "utils.masks": 1, "utils.attention": 1, "utils.kv_cache": 1,
+    "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
+    "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
+    # layers and stacks (chapters 8-9), made of pieces
+    "utils.transformer_layers": 2, "utils.transformer": 2,
+    # models and what uses them: tasks, training, decoding, counts, figures (chapters 9 on)
+    "utils.models": 3, "utils.vision": 3, "utils.tasks": 3, "utils.train": 3,
+    "utils.decoding": 3, "utils.costs": 3, "utils.plotting": 3, "utils.explorer": 3,
+    "utils.diagrams": 3,
+}
+LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the grader"]
+
+
+def _modules() -> list[Path]:
+    return sorted(UTILS.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, package: str | None = None) -> set[str]:
+    """Every utils module that ``path`` imports, at the top or inside a function; ``package``
+    is the one its relative imports start from (by default, the one it is in)."""
+    if package is None:
+        package = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "utils"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "utils":
+                continue
+            # `from . import x` and `from .pkg import mod` may name modules, not attributes.
+            for alias in node.names:
+                candidate = f"{module}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else module)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _level(name: str) -> int | None:
+    if name == "utils.checks" or name.startswith("utils.checks."):
+        return 4  # the grader: may use anything, and nothing below may use it
+    return LEVELS.get(name)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_are_small(path):
+    lines = len(path.read_text().splitlines())
+    limit = CHECKER_LINES if path.parent.name == "checks" and path.name[:1] == "a" \
+        and path.name[1:2].isdigit() else MODULE_LINES
+    assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines (at most {limit}): split it"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_classes_are_small(path):
+    tree = ast.parse(path.read_text(), str(path))
+    long = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if node.end_lineno - start + 1 > CLASS_LINES:
+                long.append(f"{node.name} ({node.end_lineno - start + 1} lines)")
+    assert not long, f"{path.relative_to(ROOT)}: classes over {CLASS_LINES} lines: {long}"
+
+
+def test_every_library_module_has_a_level():
+    missing = [_name(p) for p in _modules() if _level(_name(p)) is None]
+    assert not missing, f"add these modules to LEVELS (and to CONTRIBUTING.md): {missing}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_down_only(path):
+    """The library never imports the grader, pieces know no stacks, stacks know no models."""
+    name = _name(path)
+    mine = _level(name)
+    if mine is None:
+        pytest.skip("reported by test_every_library_module_has_a_level")
+    wrong = []
+    for other in sorted(_imports(path)):
+        theirs = _level(other)
+        if theirs is not None and theirs > mine:
+            wrong.append(f"{other} ({LEVEL_NAMES[theirs]})")
+    assert not wrong, f"{name} ({LEVEL_NAMES[mine]}) imports from a level above it: {wrong}"
+
+
+def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("from .masks import causal_mask\n\n\ndef f():\n"
+                    "    from .checks import core\n    import utils.models\n")
+    found = _imports(fake, package="utils")
+    assert found == {"utils.masks", "utils.checks.core", "utils.models"}, found
+    assert max(_level(m) for m in found) == 4

@@ -1,0 +1,126 @@
+"""The confinement policy of a child: what it may read and list, and what it must poison.
+
+For the grader (assignments' grading): `child_policy` turns an assignment's rules (`guard.Rule`)
+into the Landlock paths a child may read (Python, its packages, the parts of ``utils`` the rules
+allow: ``utils/checks`` never) and list, the sources whose opening is reported (the book, the
+tests, the checkers' references), the torch operators and the Python code to poison, and the
+modules the child may not import. Policies are cached by the rules' ids.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from .guard import Rule
+
+UTILS = Path(__file__).resolve().parent.parent
+ROOT = UTILS.parent
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of the module ``name`` (not imported), or None."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None) if spec else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _with_pyc(path: Path) -> list[Path]:
+    cache = path.parent / "__pycache__"
+    found = [path]
+    if cache.is_dir():
+        found += [p for p in cache.iterdir() if p.name.startswith(path.stem + ".")]
+    return found
+
+
+def _allow_all_but(root: Path, excluded: set[Path], full: list[str], listing: list[str]) -> None:
+    """Grant ``root`` whole (``full``) or, where something beneath it is excluded, its listing
+    and each entry but the excluded ones, recursively."""
+    if root in excluded:
+        return
+    if not any(root in p.parents for p in excluded):
+        full.append(str(root))
+        return
+    listing.append(str(root))
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            _allow_all_but(entry, excluded, full, listing)
+        elif entry not in excluded:
+            full.append(str(entry))
+
+
+_POLICIES: dict[tuple[str, ...], dict[str, list[str]]] = {}
+_POLICY_LOCK = threading.Lock()
+
+
+def child_policy(rules: list[Rule]) -> dict[str, list[str]]:
+    """The Landlock policy and the poison of a child that runs under ``rules``."""
+    key = tuple(sorted(r.id for r in rules))
+    with _POLICY_LOCK:
+        if key in _POLICIES:
+            return _POLICIES[key]
+    forbidden_modules = {r.target for r in rules if r.kind == "module"}
+    excluded: set[Path] = set()
+    sources = [str(ROOT / d) + "/" for d in ("book", "tests", "scripts", ".git", "_build")]
+    # The checkers' references (never in a child's frames, so no traceback opens them).
+    for path in sorted((UTILS / "checks").glob("a[0-9]_*.py")) + [UTILS / "checks" /
+                                                                  "assignments.py"]:
+        sources += [str(p) for p in _with_pyc(path)]
+    for r in rules:
+        target = r.target if r.kind in ("module", "code") else ""
+        if target.startswith("utils.checks"):
+            continue  # never in the child, never readable
+        path = _module_file(target) if target else None
+        if path is not None:
+            excluded.update(_with_pyc(path))
+            if r.kind == "module" or target.startswith("utils."):
+                sources += [str(p) for p in _with_pyc(path)]
+    if any(r.kind == "builtin" for r in rules):
+        torch_dir = Path(torch.__file__).resolve().parent
+        excluded.update(torch_dir / d for d in ("_decomp", "_refs", "_prims"))
+    full: list[str] = []
+    listing: list[str] = []
+    venv = Path(sys.prefix).resolve()
+    _allow_all_but(venv, {p for p in excluded if venv in p.parents}, full, listing)
+    base = Path(sys.base_prefix).resolve()
+    if base != venv:
+        full.append(str(base))
+    # utils: the folder listed, then each allowed module of the book (utils/checks never).
+    listing += [str(UTILS), str(UTILS / "__pycache__")]
+    for path in sorted(UTILS.glob("*.py")):
+        name = "utils" if path.stem == "__init__" else f"utils.{path.stem}"
+        if name in forbidden_modules or any(name.startswith(m + ".") for m in forbidden_modules):
+            continue
+        if path in excluded:
+            continue
+        full += [str(p) for p in _with_pyc(path)]
+    full += ["/usr", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd",
+             "/etc/group", "/etc/nsswitch.conf", "/dev/null", "/dev/zero", "/dev/urandom",
+             "/dev/random", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
+             "/sys/devices/system/cpu"]
+    ops = [(op, r.id) for r in rules for op in r.operators]
+    python = [(r.target, r.qualname, r.id, _what(r)) for r in rules
+              if r.kind == "code" and not r.target.startswith("utils.checks")
+              and r.target not in forbidden_modules]
+    policy = {"readable": full, "listable": listing, "sources": sources,
+              "poison_ops": ops, "poison_python": python,
+              "forbidden_modules": [(r.target, r.id) for r in rules if r.kind == "module"]}
+    with _POLICY_LOCK:
+        _POLICIES[key] = policy
+    return policy
+
+
+def _what(rule: Rule) -> str:
+    name = rule.qualname or rule.target
+    return f"{rule.target}.{rule.qualname}" if rule.qualname else name
