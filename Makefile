@@ -19,10 +19,6 @@ NBVAL_ENV := OMP_NUM_THREADS=1
 # book), longest first; conftest.py makes the groups and their order.
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	-n 2 --dist loadscope --no-loadscope-reorder
-# The notebooks again, as another CPU would run them: PyTorch's generic kernels (no AVX2 or
-# AVX-512), MKL limited to SSE4.2, one thread. Float sums then happen in another order; a notebook
-# whose stored outputs depend on that order fails here instead of on a reader's laptop.
-GENERIC_CPU_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 
@@ -96,17 +92,19 @@ notebooks: venv
 	$(NBVAL_ENV) $(PY) -m pytest -q $(NBVAL_FLAGS) book
 
 notebooks-generic-cpu: venv
-	$(GENERIC_CPU_ENV) $(PY) -m pytest -q -p no:cacheprovider $(NBVAL_FLAGS) book
+	$(NBVAL_ENV) $(PY) -m pytest -q -p no:cacheprovider $(NBVAL_FLAGS) --nbval-cpu generic book
 
 book-tests: venv browser-deps
 	$(PY) -m pytest -q -m book tests
 
 # Everything in one session on two workers of one thread each: the unit tests, every notebook
-# under nbval, every notebook again as another CPU would run it (--nbval-generic-cpu: generic
-# kernels, MKL limited to SSE4.2), and the book built and visited by Chromium.
+# under nbval, every notebook again as another CPU would run it (--nbval-cpu both: PyTorch's
+# generic kernels, MKL limited to SSE4.2; a notebook whose stored outputs depend on the order of
+# float sums fails here instead of on a reader's laptop), and the book built and visited by
+# Chromium.
 test: venv browser-deps $(GRADE_STAMP)
 	$(NBVAL_ENV) $(PY) -m pytest -q -p no:cacheprovider -m "not pdf" $(NBVAL_FLAGS) \
-		--nbval-generic-cpu tests book
+		--nbval-cpu both tests book
 
 # Jupyter refuses to start as root unless told to; containers and cloud notebooks run as root.
 lab: venv

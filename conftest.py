@@ -7,12 +7,12 @@ and this file decides the groups and their order:
 
 * every test module is one group (its module-scoped fixtures, such as a grading run, are then
   made once, on one worker), every notebook is one group (nbval runs a notebook's cells in order,
-  in one kernel), and the tests marked ``book`` are one group (the book is built once, then
+  in one kernel), and the tests of the built book are one group (the book is built once, then
   visited by one browser);
-* ``--nbval-generic-cpu`` collects every notebook a second time, as a group of its own whose
-  kernel starts with PyTorch's generic kernels (no AVX2 or AVX-512) and MKL limited to SSE4.2, so
-  that float sums happen in another order: a stored output that depends on that order fails here
-  instead of on a reader's laptop;
+* ``--nbval-cpu both`` collects every notebook a second time (``generic``: only that time), as a
+  group of its own whose kernel starts with PyTorch's generic kernels (no AVX2 or AVX-512) and
+  MKL limited to SSE4.2, so that float sums happen in another order: a stored output that
+  depends on that order fails here instead of on a reader's laptop;
 * the groups are queued longest first (the book, then the notebooks, slowest first, then the
   test modules), so that no worker is left with a long group while the other one idles.
 """
@@ -48,8 +48,9 @@ SLOWEST_NOTEBOOKS = (
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--nbval-generic-cpu", action="store_true", default=False,
-        help="with --nbval: run every notebook a second time on PyTorch's generic CPU kernels",
+        "--nbval-cpu", choices=("native", "generic", "both"), default="native",
+        help="with --nbval: run the notebooks on this CPU's kernels (native, the default), on "
+             "PyTorch's generic kernels as another CPU would (generic), or both",
     )
 
 
@@ -76,7 +77,7 @@ def _generic_notebook_class():
 
 def pytest_collect_file(file_path: Path, parent):
     opt = parent.config.option
-    if file_path.suffix == ".ipynb" and opt.nbval and parent.config.getoption("nbval_generic_cpu"):
+    if file_path.suffix == ".ipynb" and opt.nbval and opt.nbval_cpu != "native":
         cls = _generic_notebook_class()
         name = file_path.name + GENERIC_SUFFIX
         nodeid = f"{parent.nodeid}/{name}" if parent.nodeid else name
@@ -98,8 +99,16 @@ def _rank(item: pytest.Item) -> tuple[int, int]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """On a pytest-xdist worker, queue the groups longest first (the controller hands them out
-    in the order the workers collected them)."""
+    """With ``--nbval-cpu generic``, leave out the notebooks' native run. On a pytest-xdist
+    worker, queue the groups longest first (the controller hands them out in the order the
+    workers collected them)."""
+    if config.option.nbval_cpu == "generic":
+        native = [i for i in items if i.path.suffix == ".ipynb"
+                  and not _module(i.nodeid).endswith(GENERIC_SUFFIX)]
+        if native:
+            config.hook.pytest_deselected(items=native)
+            left_out = set(native)
+            items[:] = [i for i in items if i not in left_out]
     if not hasattr(config, "workerinput"):
         return
     strays = {_module(i.nodeid) for i in items if "built_book" in getattr(i, "fixturenames", ())
