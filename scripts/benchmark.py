@@ -27,8 +27,10 @@ what else runs on it. Rows:
 The table ends with the goals: (a) at most 1.2 times PyTorch's time, (b) the memory-efficient
 peak at most 1/8 of the plain one at L = 4096, (d) the cache at least 5 times faster.
 
-Peak memory, how it is measured: each variant runs once, under ``torch.no_grad()``, in a fresh
-Python process (so nothing allocated by another variant is counted or reused). On CPU the process
+Peak memory, how it is measured: each variant runs once, under ``torch.no_grad()``, in a process
+of its own (so nothing allocated by another variant is counted or reused), forked from a server
+process that has imported torch and the book's modules and run nothing else: as fresh as a new
+Python process, without paying for the imports once per variant. On CPU the process
 creates its inputs, runs a tiny warm-up (lazy initialisation), resets the kernel's high-water mark
 of its resident memory (writing 5 to /proc/self/clear_refs, Linux) and reports VmHWM minus the
 resident memory just before the call: the real peak growth, in pages actually touched. glibc
@@ -44,6 +46,7 @@ intermediate computed from the shapes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import gc
 import inspect
@@ -56,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -168,7 +172,7 @@ def _status_kib(field: str) -> int:
 
 
 def _child_memory(spec: dict) -> dict:
-    """Run one variant once and return its peak memory growth in bytes (in a fresh process)."""
+    """Run one variant once and return its peak memory growth in bytes (in a process of its own)."""
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     fn, extra = _variant(spec["variant"], spec["length"], spec["window"], spec["block"], device)
@@ -206,18 +210,71 @@ def _child_memory(spec: dict) -> dict:
     return {"peak_bytes": int(peak), "method": method, "out_shape": list(out.shape)}
 
 
+class _MemoryServer:
+    """A process started once, with glibc's allocator told to map every block of 64 KiB or more
+    on its own and never to trim (``MALLOC_*`` must be set before a process starts), that forks
+    one child per variant: the child measures and reports, then exits. The server only imports;
+    it never runs a tensor operation, so no thread pool exists when it forks."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--memory-server"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def measure(self, spec: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "the server exited"}')
+        if "error" in reply:
+            raise RuntimeError(f"memory measurement of {spec['variant']} failed:\n"
+                               f"{reply['error']}")
+        return reply["result"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _serve_memory() -> None:
+    """The server's side: one JSON spec per line in, one JSON reply per line out."""
+    for line in sys.stdin:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, write the reply, exit without cleaning up
+            os.close(read)
+            try:
+                reply = {"result": _child_memory(json.loads(line))}
+            except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+                reply = {"error": traceback.format_exc()}
+            with os.fdopen(write, "w") as f:
+                f.write(json.dumps(reply))
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if not data:
+            data = json.dumps({"error": f"the child ended with status {status}, no reply"})
+        sys.stdout.write(data + "\n")
+        sys.stdout.flush()
+
+
+_SERVER: _MemoryServer | None = None
+
+
 def measure_memory(variant: str, length: int, heads: int, d_k: int, window: int, block: int,
                    device: torch.device) -> dict:
-    """Peak memory growth of one call of ``variant``, measured in a fresh Python process."""
+    """Peak memory growth of one call of ``variant``, measured in a process of its own."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = _MemoryServer()
+        atexit.register(_SERVER.close)
     spec = {"variant": variant, "length": length, "heads": heads, "d_k": d_k, "window": window,
             "block": block, "device": str(device), "threads": torch.get_num_threads()}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child-memory",
-                           json.dumps(spec)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory measurement of {variant} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _SERVER.measure(spec)
 
 
 # --- the rows -------------------------------------------------------------------------------
@@ -431,7 +488,8 @@ def render(meta: dict, rows: list[dict], goal: dict) -> str:
         f"- timing: median of {meta['repeats']} runs after 1 warm-up run (in (a) and (d) ours "
         "and the reference take turns); ratio = ours / "
         "reference (above 1: ours is slower or uses more memory)",
-        f"- peak memory: {meta['memory_method']}, one fresh process per variant",
+        f"- peak memory: {meta['memory_method']}, one process per variant (forked from one "
+        "that only imported)",
         "",
         *table(rows),
     ]
@@ -478,11 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="the Markdown table; the JSON goes beside it (default "
                              "_build/bench/benchmark.md)")
-    parser.add_argument("--child-memory", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.child_memory:
-        print(json.dumps(_child_memory(json.loads(args.child_memory))))
+    if args.memory_server:
+        _serve_memory()
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmark.py: --device cuda asked for, but torch finds no CUDA device here; "
