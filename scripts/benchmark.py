@@ -23,9 +23,18 @@ what else runs on it. Rows:
 (d) `utils.decoding.generate` with the KV cache against without it, when ``generate`` takes
     ``use_cache`` (skipped otherwise), 256 new tokens on a model of chapter 10's size, for one
     prompt and for a batch of 8. The reference here is the book's own uncached loop.
+(e) `utils.tokenizer.ByteBPETokenizer.encode` on the book's prose (with an empty cache of
+    pre-tokens and with a warm one) against Hugging Face's ``tokenizers`` loaded from the same
+    ``vocab.json`` and ``merges.txt``, on one thread; the ids must be identical
+    (`scripts/bench_tokenizer.py`). CPU only.
+(f) `utils.decoding.generate` on a GPT-2 checkpoint of about 25M parameters, written by
+    ``transformers`` and read by `utils.pretrained.load_gpt2`, against ``transformers``'
+    ``generate`` on the same weights: greedy, both with their caches, 256 new tokens, batch 1
+    and 8, the same tokens asserted; tokens per second (`scripts/bench_decoding.py`). CPU only.
 
 The table ends with the goals: (a) at most 1.2 times PyTorch's time, (b) the memory-efficient
-peak at most 1/8 of the plain one at L = 4096, (d) the cache at least 5 times faster.
+peak at most 1/8 of the plain one at L = 4096, (d) the cache at least 5 times faster, (f) the
+book's generate at least as fast as ``transformers``' at both batch sizes.
 
 Peak memory, how it is measured: each variant runs once, under ``torch.no_grad()``, in a process
 of its own (so nothing allocated by another variant is counted or reused), forked from a server
@@ -49,6 +58,7 @@ import argparse
 import atexit
 import datetime
 import gc
+import importlib
 import inspect
 import json
 import math
@@ -73,6 +83,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from utils.attention import MultiHeadAttention, scaled_dot_product_attention  # noqa: E402
+from utils.data import book_prose  # noqa: E402
 from utils.fast_attention import local_attention, memory_efficient_attention  # noqa: E402
 from utils.masks import local_mask  # noqa: E402
 
@@ -89,6 +100,8 @@ FULL = {
     "local": {"lengths": [1024, 2048, 4096], "window": 64, "heads": 4, "d_k": 64},
     # chapter 10's language model: d_model 32, 4 heads, 2 layers; 256 new tokens
     "generate": {"batches": [1, 8], "prompt": 16, "new_tokens": 256, "d_model": 32, "layers": 2},
+    "tokenizer": {"chapters": None, "vocab": 1000},  # the whole book's prose
+    "decoding": "FULL",  # scripts/bench_decoding.py's sizes
     "repeats": 5,
 }
 QUICK = {
@@ -96,6 +109,8 @@ QUICK = {
     "sdpa": {"length": 256, "heads": 2, "d_k": 16, "block": 32},
     "local": {"lengths": [128, 256], "window": 8, "heads": 2, "d_k": 16},
     "generate": {"batches": [2], "prompt": 4, "new_tokens": 4, "d_model": 32, "layers": 1},
+    "tokenizer": {"chapters": [1], "vocab": 300},
+    "decoding": "QUICK",
     "repeats": 2,
 }
 
@@ -431,6 +446,34 @@ def bench_generate(sizes: dict, device: torch.device, repeats: int) -> list[dict
     return rows
 
 
+def _sibling(name: str) -> object:
+    """A script beside this one, imported only when its rows are measured: chapter 13 loads this
+    file for its own rows, and should not pay for importing tokenizers and transformers."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
+def bench_tokenizer_rows(sizes: dict, repeats: int) -> list[dict]:
+    """(e): encoding the book's prose with `utils.tokenizer` against Hugging Face's tokenizers
+    loaded from the same files (`scripts/bench_tokenizer.py`), the same ids asserted."""
+    s = sizes["tokenizer"]
+    r = _sibling("bench_tokenizer").bench_tokenizer(book_prose(s["chapters"]), s["vocab"], repeats)
+    case = (f"{r['chars']:,} characters of the book's prose, {r['tokens']:,} tokens, "
+            f"vocabulary {r['vocab_size']:,}")
+    rows = []
+    for name, label in (("ours_cold", "empty cache"), ("ours_warm", "warm cache")):
+        row = _row("(e) tokenizer", case, f"ByteBPETokenizer.encode ({label})",
+                   "tokenizers BPE + ByteLevel (1 thread)", r[f"{name}_ms"] / 1e3,
+                   r["tokenizers_ms"] / 1e3,
+                   note=f"the same ids; tokens/s ours {r[f'{name}_tokens_per_s']:,}, "
+                        f"tokenizers {r['tokenizers_tokens_per_s']:,}; the whole text is one "
+                        f"string")
+        rows.append(row)
+    return rows
+
+
 def goals(rows: list[dict], memory: dict, quick: bool) -> list[str]:
     """One line per goal of the benchmark: the figure measured and whether it is met."""
     def verdict(ok: bool) -> str:
@@ -452,6 +495,11 @@ def goals(rows: list[dict], memory: dict, quick: bool) -> list[str]:
             speed = 1 / r["time_ratio"]
             lines.append(f"- generate with the KV cache at least {CACHE_GOAL:g}x faster than "
                          f"without, {r['case']}: {speed:.1f}x ({verdict(speed >= CACHE_GOAL)}).")
+        if r["group"].startswith("(f)"):
+            lines.append(f"- the book's generate on a loaded GPT-2 at least as fast as "
+                         f"transformers' generate, {r['case']}: {r['ours_tokens_per_s']:,.0f} "
+                         f"against {r['ref_tokens_per_s']:,.0f} tokens/s "
+                         f"({verdict(r['time_ratio'] <= 1.0)}).")
     return lines
 
 
@@ -573,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     rows += sdpa_rows
     rows += bench_local(sizes, device, repeats)
     rows += bench_generate(sizes, device, repeats)
+    if device.type == "cpu":  # the tokenizer and transformers' generate: CPU only here
+        rows += bench_tokenizer_rows(sizes, repeats)
+        decoding = _sibling("bench_decoding")
+        rows += decoding.bench_decoding(getattr(decoding, sizes["decoding"]), repeats)
     meta["seconds"] = round(time.perf_counter() - start, 1)
 
     text = render(meta, rows, goal)

@@ -25,12 +25,14 @@ LEVELS = {
     "utils.convert": 1, "utils.masks": 1, "utils.attention": 1, "utils.kv_cache": 1,
     "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
+    "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
     # layers and stacks (chapters 8-9), made of pieces
     "utils.transformer_layers": 2, "utils.transformer": 2,
     # models and what uses them: tasks, training, decoding, counts, figures (chapters 9 on)
     "utils.models": 3, "utils.vision": 3, "utils.tasks": 3, "utils.train": 3,
     "utils.decoding": 3, "utils.costs": 3, "utils.plotting": 3, "utils.explorer": 3,
     "utils.diagrams": 3,
+    "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the grader"]
 

@@ -32,6 +32,11 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     assert groups.count("(b) attention") == 2
     assert groups.count("(c) local") >= 2
     assert groups.count("(d) generate") == 1
+    assert groups.count("(e) tokenizer") == 2
+    assert groups.count("(f) GPT-2 decoding") == 2
+    for r in data["rows"]:
+        if r["group"] in ("(e) tokenizer", "(f) GPT-2 decoding"):
+            assert "the same" in r["note"], r  # ids and tokens checked equal, not only timed
     for r in data["rows"]:
         assert r["group"] in text
         if "skipped" in r:
@@ -42,6 +47,7 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     assert {"memory_efficient_over_plain", "met"} <= set(data["memory_goal"])
     assert "Goals:" in text and "memory_efficient_attention's peak memory" in text
     assert "MultiHeadAttention at most 1.2x" in text and "KV cache at least 5x" in text
+    assert text.count("at least as fast as transformers' generate") == 2
     # every row of the JSON is a row of the Markdown table
     assert text.count("\n| (") == len(data["rows"])
 

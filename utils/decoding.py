@@ -43,6 +43,7 @@ mode are restored on every exit, an exception included.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Sequence
@@ -105,6 +106,14 @@ def _check_room(model: nn.Module, needed: int, what: str) -> None:
                          f"max_len={limit}")
 
 
+def _takes_logits_at(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``logits_at`` (the book's decoder-only models do)."""
+    try:
+        return "logits_at" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _last_logits(logits: object, b: int, at: torch.Tensor | int) -> torch.Tensor:
     """The (B, V) logits at position ``at`` (per row, or one for all) of the model's output."""
     require_tensor("the model's output", logits)
@@ -139,7 +148,9 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
     if logits.shape[1] == 0:
         raise ValueError(f"logits must score at least one token (V >= 1), got "
                          f"{shape_str(logits)}")
-    if not bool(torch.isfinite(logits).all()):  # the usual case passes with one reduction
+    # The usual case passes with one sum, finite exactly when every score is (or when finite
+    # scores overflow it, which the checks below then let through).
+    if not bool(torch.isfinite(logits.sum())):
         if torch.isnan(logits).any() or (logits == math.inf).any():
             raise ValueError("logits must not contain NaN or +inf")
         if not torch.isfinite(logits).any(dim=-1).all():
@@ -306,8 +317,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             elif step == 0:  # the padded prompts, once: slot t of the cache is position t
                 width = tokens.shape[1] - max_new_tokens
                 keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
-                logits = _last_logits(model(tokens[:, :width], keys, cache=cache), b,
-                                      lengths - 1)
+                if _takes_logits_at(model):  # the output layer at the last tokens alone
+                    logits = _last_logits(model(tokens[:, :width], keys, cache=cache,
+                                                logits_at=(lengths - 1)[:, None]), b, 0)
+                else:
+                    logits = _last_logits(model(tokens[:, :width], keys, cache=cache), b,
+                                          lengths - 1)
             else:  # each row's newest token, at its own position, into the next slot
                 pos = (lengths - 1)[:, None]  # (B, 1)
                 keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden

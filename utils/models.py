@@ -130,6 +130,26 @@ def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> t
     return positions
 
 
+def _rows_at(h: torch.Tensor, logits_at: object) -> torch.Tensor:
+    """The vectors of ``h`` (B, L, d) at ``logits_at`` ((B, K) ints in [0, L), per row): (B, K, d).
+    A model that is asked for a few positions' logits computes its output layer only there
+    (generation's first step needs each prompt's last position, not all L)."""
+    if logits_at is None:
+        return h
+    require_tensor("logits_at", logits_at)
+    require_integer_ids("logits_at", logits_at)
+    b, length = h.shape[:2]
+    if logits_at.dim() != 2 or logits_at.shape[0] != b:
+        raise ValueError(f"logits_at must have shape (B={b}, K), positions among the L={length} "
+                         f"new tokens, got {shape_str(logits_at)}")
+    require_same_device(tokens=h, logits_at=logits_at)
+    low, high = value_range(logits_at) if logits_at.numel() else (0, 0)
+    if low < 0 or high >= length:
+        raise ValueError(f"logits_at must lie in [0, L={length}), got positions from {low} to "
+                         f"{high}")
+    return h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
+
+
 class InputEmbedding(nn.Module):
     """Token ids -> vectors: a learned embedding scaled by sqrt(d_model), plus positions.
 
@@ -363,10 +383,12 @@ class DecoderOnlyLM(_TokenStack):
         return DecoderCache.for_stack(self.blocks.num_layers, max_len=self.max_len)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: DecoderCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                cache: DecoderCache | None = None, positions: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, L, V). ``mask`` (B, L), True at real tokens, is optional: with right
         padding the causal mask already keeps every real token from seeing the padding.
+        ``logits_at`` ((B, K) ints in [0, L)) computes the output layer only at those positions
+        of each row: logits (B, K, V), equal to those rows of the full output.
 
         Incremental decoding: with a ``cache`` (from `new_cache`) holding L_past positions,
         ``tokens`` are only the L new tokens; their keys and values are appended to the cache
@@ -387,7 +409,8 @@ class DecoderOnlyLM(_TokenStack):
         attn = _self_mask(past, tokens.shape[1], mask, cache, tokens.device)
         if cache is not None and positions is None:
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
-        return self.head(self.blocks(self.embed(tokens, positions), attn, cache=cache))
+        h = self.blocks(self.embed(tokens, positions), attn, cache=cache)
+        return self.head(_rows_at(h, logits_at))
 
 
 class EncoderOnlyMLM(_TokenStack):

@@ -364,6 +364,28 @@ def permute_rope_weight(weight: torch.Tensor, num_heads: int, to: str = "half") 
     return heads[:, perm].reshape(weight.shape).clone()
 
 
+def _batch_first(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Positions (P_0, ..., P_{k-1}, L) for x (D_0, ..., D_{n-1}, L, d), as a view with x's rank.
+
+    The leading dims of ``positions`` are matched with x's from the left, batch first as
+    everywhere in the book, and the missing ones become 1: (B, L) positions for queries
+    (B, h, L, d_k) are viewed as (B, 1, L), so that row b of every head sits at positions[b].
+    (Broadcasting from the right would match B with h instead.) Each P_j must be 1 or D_j.
+    """
+    lead, extra = x.dim() - 2, positions.dim() - 1
+    fits = extra <= lead and all(
+        p in (1, s) for p, s in zip(positions.shape[:-1], x.shape[:extra], strict=True)
+    )
+    if not fits:
+        raise ValueError(
+            f"positions of shape {shape_str(positions)} do not broadcast to x's (..., L) = "
+            f"{shape_str(x.shape[:-1])}: x is {shape_str(x)}, and positions are read batch "
+            f"first, (L,), (B, L) or (B, ..., L), each dim 1 or x's"
+        )
+    return positions.reshape(*positions.shape[:-1], *([1] * (lead - extra)),
+                             positions.shape[-1])
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
                base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
     """Rotary position embedding (RoPE): rotate each pair of features by a position's angle.
@@ -377,8 +399,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
 
     Args:
         x: (..., L, d) vectors, for instance queries of shape (B, h, L, d_k); d must be even.
-        positions: the position of each of the L vectors, shape (L,) or broadcastable to
-            (..., L); defaults to 0, 1, ..., L - 1.
+        positions: the position of each of the L vectors; defaults to 0, 1, ..., L - 1.
+            Shape (L,), shared by every row, or (B, L), one row of positions per batch row, or
+            more generally (D_0, ..., D_{k-1}, L) with k <= x.dim() - 2, read batch first: its
+            dims are matched with x's leading dims from the left, each 1 or equal to x's. For
+            queries (B, h, L, d_k), (B, L) positions rotate row b of every head by
+            ``positions[b]`` (they are viewed as (B, 1, L)).
         base: the wavelength scale (10000 in the RoFormer paper).
         layout: which features form pair k: "interleaved", (x_2k, x_2k+1) as in the RoFormer
             paper and `sinusoidal_encoding`; or "half", (x_k, x_{k + d/2}) as in the
@@ -414,17 +440,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
             f"positions must have shape (L={length},) or (..., L={length}) to match x "
             f"{shape_str(x)}, got {shape_str(positions)}"
         )
-    theta = rope_angles(positions, d, base)  # (..., L, d/2)
-    target = (*x.shape[:-1], d // 2)
-    try:
-        fits = tuple(torch.broadcast_shapes(theta.shape, target)) == target
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"positions of shape {shape_str(positions)} do not broadcast to x's (..., L) = "
-            f"{shape_str(x.shape[:-1])}"
-        )
+    theta = rope_angles(_batch_first(positions, x), d, base)  # (..., L, d/2), x's rank
     cos = torch.cos(theta).to(x.dtype)
     sin = torch.sin(theta).to(x.dtype)
     if layout == "half":

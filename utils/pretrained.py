@@ -1,0 +1,465 @@
+"""Load GPT-2 and Llama checkpoints into the book's own modules (`utils.checkpoint_models`).
+
+A checkpoint in the Hugging Face layout is a directory holding ``config.json`` (the
+hyperparameters) and ``model.safetensors`` (the tensors, by name). `load_gpt2` and `load_llama`
+read both, build a `utils.checkpoint_models.CheckpointLM` of the shape the config describes and
+copy every tensor into it, after checking that the checkpoint holds exactly the tensors that
+model needs, each of the right shape. Nothing is loaded partly: an unknown key, a missing key,
+a wrong shape or a config option the book's model does not implement raises a `ValueError`
+that names it, before any tensor is copied.
+
+What has to be translated:
+
+* GPT-2 stores its projections as ``Conv1D`` weights, (d_in, d_out), the transpose of
+  `nn.Linear`'s (d_out, d_in); in the book's row-vector notation they are W itself. Its
+  ``c_attn`` holds W_Q, W_K and W_V side by side, (d_model, 3 d_model).
+* Llama's checkpoints (as converted by Hugging Face) expect RoPE's "half" layout. The model
+  uses that layout by default; ``load_llama(..., layout="interleaved")`` instead permutes the
+  rows of W_Q and W_K with `utils.positional.permute_rope_weight` and rotates interleaved pairs,
+  which gives the same scores (chapter 5).
+
+Nothing here touches the network: the directory must already be on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ._validation import require_choice, require_dtype, shape_str
+from .attention import MultiHeadAttention
+from .checkpoint_models import (
+    CheckpointLM,
+    GELUFeedForward,
+    PreNormBlock,
+    RotarySelfAttention,
+    TokenPositionEmbedding,
+)
+from .layers import LayerNorm, PositionwiseFeedForward, RMSNorm
+from .positional import permute_rope_weight
+
+__all__ = ["read_checkpoint", "load_gpt2", "load_llama", "GPT2_ACTIVATIONS"]
+
+# GPT-2's activation_function -> the approximate= of torch's GELU.
+GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+# A copy of one stored tensor: its expected shape and what writes it into the model.
+Slots = dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor], None]]]
+
+
+def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of a Hugging Face directory: config.json and model.safetensors.
+
+    Raises:
+        FileNotFoundError: if the directory or one of the two files is missing.
+        ValueError: for a sharded checkpoint (model.safetensors.index.json), which is not read.
+    """
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    if not weights_path.is_file():
+        if (directory / "model.safetensors.index.json").is_file():
+            raise ValueError(
+                f"{directory} holds a sharded checkpoint "
+                "(model.safetensors.index.json); only one model.safetensors is read"
+            )
+        raise FileNotFoundError(f"no model.safetensors in {directory}")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    return config, load_file(str(weights_path))
+
+
+def _field(config: dict, name: str, default: object = None, required: bool = False) -> object:
+    """config[name]; a missing required field is a ValueError naming it."""
+    if name not in config or config[name] is None:
+        if required:
+            raise ValueError(f"config.json has no {name!r}, which the model needs")
+        return default
+    return config[name]
+
+
+def _int_field(config: dict, name: str, default: int | None = None) -> int:
+    value = _field(config, name, default, required=default is None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+    return value
+
+
+def _require_value(config: dict, name: str, allowed: tuple, default: object) -> object:
+    """A config option the model implements only for the values ``allowed``."""
+    value = _field(config, name, default)
+    if value not in allowed:
+        raise ValueError(
+            f"unsupported config: {name}={value!r}; this loader implements "
+            f"{name} in {list(allowed)}"
+        )
+    return value
+
+
+def _require_model_type(config: dict, expected: str) -> None:
+    found = config.get("model_type")
+    if found != expected:
+        raise ValueError(f"config.json has model_type={found!r}; expected {expected!r}")
+
+
+def _copy_to(
+    param: torch.Tensor,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Callable[[torch.Tensor], None]:
+    """A writer that copies ``transform(stored)`` (the stored tensor itself by default)."""
+
+    def write(stored: torch.Tensor) -> None:
+        param.copy_(stored if transform is None else transform(stored))
+
+    return write
+
+
+def _linear_slots(prefix: str, linear: nn.Linear, conv1d: bool = False) -> Slots:
+    """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out)."""
+    out_f, in_f = linear.weight.shape
+    slots: Slots = {}
+    if conv1d:
+        slots[f"{prefix}.weight"] = ((in_f, out_f), _copy_to(linear.weight, lambda t: t.T))
+    else:
+        slots[f"{prefix}.weight"] = ((out_f, in_f), _copy_to(linear.weight))
+    if linear.bias is not None:
+        slots[f"{prefix}.bias"] = ((out_f,), _copy_to(linear.bias))
+    return slots
+
+
+def _norm_slots(prefix: str, norm: LayerNorm | RMSNorm) -> Slots:
+    slots: Slots = {f"{prefix}.weight": ((norm.d_model,), _copy_to(norm.weight))}
+    if getattr(norm, "bias", None) is not None:
+        slots[f"{prefix}.bias"] = ((norm.d_model,), _copy_to(norm.bias))
+    return slots
+
+
+def _check_keys(tensors: dict[str, torch.Tensor], slots: Slots, where: str) -> None:
+    """Every stored key must have a slot, every slot a key, every shape must match."""
+    unknown = sorted(set(tensors) - set(slots))
+    if unknown:
+        raise ValueError(
+            f"{where} holds {len(unknown)} unknown key(s) the model has no place for: {unknown[:5]}"
+        )
+    missing = sorted(set(slots) - set(tensors))
+    if missing:
+        raise ValueError(f"{where} lacks {len(missing)} key(s) the model needs: {missing[:5]}")
+    for key, (shape, _) in slots.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(
+                f"{where}: {key} has shape {shape_str(tensors[key])}, expected {shape_str(shape)}"
+            )
+
+
+def _fill(
+    model: CheckpointLM, tensors: dict[str, torch.Tensor], slots: Slots, where: str
+) -> CheckpointLM:
+    """Check every key and shape, then copy every tensor; the model is returned in eval mode."""
+    _check_keys(tensors, slots, where)
+    with torch.no_grad():
+        for key, (_, write) in slots.items():
+            write(tensors[key])
+    return model.eval()
+
+
+def _tied_head(tensors: dict[str, torch.Tensor], key: str, table: str, where: str) -> None:
+    """A tied model takes a stored output weight only if it is the token table itself."""
+    if key in tensors and table in tensors:
+        if tensors[key].shape != tensors[table].shape or not torch.equal(
+            tensors[key], tensors[table]
+        ):
+            raise ValueError(
+                f"{where}: {key} differs from {table}, but the config ties the "
+                "output projection to the token embeddings (tie_word_embeddings)"
+            )
+        del tensors[key]
+
+
+# ----------------------------------------------------------------------------------- GPT-2
+
+
+def _gpt2_settings(config: dict) -> dict:
+    """The hyperparameters of a GPT-2 config.json, each checked; unsupported options raise."""
+    _require_model_type(config, "gpt2")
+    s = {
+        name: _int_field(config, name)
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    }
+    if s["n_embd"] % s["n_head"]:
+        raise ValueError(f"config: n_embd={s['n_embd']} is not divisible by n_head={s['n_head']}")
+    s["n_inner"] = _int_field(config, "n_inner", 4 * s["n_embd"])
+    activation = _require_value(config, "activation_function", tuple(GPT2_ACTIVATIONS), "gelu_new")
+    s["approximate"] = GPT2_ACTIVATIONS[activation]
+    s["eps"] = float(_field(config, "layer_norm_epsilon", 1e-5))
+    s["tied"] = bool(_field(config, "tie_word_embeddings", True))
+    _require_value(config, "scale_attn_weights", (True,), True)
+    _require_value(config, "scale_attn_by_inverse_layer_idx", (False,), False)
+    _require_value(config, "add_cross_attention", (False,), False)
+    return s
+
+
+def _gpt2_model(s: dict) -> CheckpointLM:
+    d = s["n_embd"]
+    blocks = [
+        PreNormBlock(
+            LayerNorm(d, eps=s["eps"]),
+            MultiHeadAttention(d, s["n_head"], bias=True),
+            LayerNorm(d, eps=s["eps"]),
+            GELUFeedForward(d, s["n_inner"], s["approximate"]),
+        )
+        for _ in range(s["n_layer"])
+    ]
+    embed = TokenPositionEmbedding(s["vocab_size"], d, s["n_positions"], learned_positions=True)
+    return CheckpointLM(embed, blocks, LayerNorm(d, eps=s["eps"]), s["tied"], "gpt2")
+
+
+def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
+    """GPT-2's c_attn: W = [W_Q | W_K | W_V], (d, 3d), and its bias (3d,), split three ways."""
+    d = attn.d_model
+    parts = (attn.w_q, attn.w_k, attn.w_v)
+
+    def weight(stored: torch.Tensor) -> None:
+        for i, lin in enumerate(parts):
+            lin.weight.copy_(stored[:, i * d : (i + 1) * d].T)
+
+    def bias(stored: torch.Tensor) -> None:
+        for i, lin in enumerate(parts):
+            lin.bias.copy_(stored[i * d : (i + 1) * d])
+
+    return {f"{prefix}.weight": ((d, 3 * d), weight), f"{prefix}.bias": ((3 * d,), bias)}
+
+
+def _gpt2_slots(model: CheckpointLM) -> Slots:
+    slots: Slots = {
+        "transformer.wte.weight": (tuple(model.embed.weight.shape), _copy_to(model.embed.weight)),
+        "transformer.wpe.weight": (
+            tuple(model.embed.positions.weight.shape),
+            _copy_to(model.embed.positions.weight),
+        ),
+        **_norm_slots("transformer.ln_f", model.norm),
+    }
+    for i, block in enumerate(model.blocks):
+        p = f"transformer.h.{i}"
+        slots |= _norm_slots(f"{p}.ln_1", block.norm1) | _norm_slots(f"{p}.ln_2", block.norm2)
+        slots |= _qkv_slots(f"{p}.attn.c_attn", block.attn)
+        slots |= _linear_slots(f"{p}.attn.c_proj", block.attn.w_o, conv1d=True)
+        slots |= _linear_slots(f"{p}.mlp.c_fc", block.ff.linear1, conv1d=True)
+        slots |= _linear_slots(f"{p}.mlp.c_proj", block.ff.linear2, conv1d=True)
+    if not model.tie_output:
+        slots |= _linear_slots("lm_head", model.head)
+    return slots
+
+
+_GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+
+
+def _gpt2_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keys as `transformers` writes them today: the original GPT-2 files name them
+    without the ``transformer.`` prefix and also store each layer's causal-mask buffers
+    (``h.N.attn.bias``, ``h.N.attn.masked_bias``), which hold no weights and are dropped."""
+    if any(k.startswith("transformer.") for k in tensors):
+        return dict(tensors)
+    return {
+        ("transformer." + k if k != "lm_head.weight" else k): v
+        for k, v in tensors.items()
+        if not _GPT2_BUFFER.fullmatch(k)
+    }
+
+
+def load_gpt2(directory: str | Path, dtype: torch.dtype = torch.float32) -> CheckpointLM:
+    """A GPT-2 checkpoint (``GPT2LMHeadModel``'s files) as a `CheckpointLM` of the book's parts.
+
+    Learned positions, pre-LN blocks of `MultiHeadAttention` (with biases) and a GELU
+    feed-forward network (the tanh approximation for ``"gelu_new"``), a final `LayerNorm` and
+    an output projection tied to the token embeddings (unless ``tie_word_embeddings`` is false).
+
+    Args:
+        directory: the folder with config.json and model.safetensors.
+        dtype: the floating dtype of the returned model (the stored tensors are cast to it).
+
+    Returns:
+        The model, in eval mode: tokens (B, L) -> logits (B, L, V); ``generate`` runs it.
+
+    Raises:
+        FileNotFoundError: for a missing folder or file.
+        ValueError: for an unsupported config (another model_type, an unknown activation,
+            cross-attention, unscaled or layer-scaled attention), or a checkpoint with an
+            unknown key, a missing key or a tensor of the wrong shape, each named.
+    """
+    config, tensors = read_checkpoint(directory)
+    dtype = require_dtype("dtype", dtype, floating=True)
+    settings = _gpt2_settings(config)
+    tensors = _gpt2_names(tensors)
+    if settings["tied"]:
+        _tied_head(tensors, "lm_head.weight", "transformer.wte.weight", str(directory))
+    model = _gpt2_model(settings).to(dtype)
+    return _fill(model, tensors, _gpt2_slots(model), str(directory))
+
+
+# ----------------------------------------------------------------------------------- Llama
+
+
+def _rope_settings(config: dict) -> float:
+    """Llama's RoPE base (``rope_theta``, inside ``rope_parameters`` in transformers 5, at the
+    top level before); only plain RoPE is implemented: any ``rope_type`` other than "default",
+    in ``rope_parameters`` or in the older ``rope_scaling``, raises."""
+    theta = _field(config, "rope_theta", 10000.0)
+    for name in ("rope_parameters", "rope_scaling"):
+        params = _field(config, name, {})
+        if not isinstance(params, dict):
+            raise ValueError(f"config field {name!r} must be a dict or null, got {params!r}")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ValueError(
+                f"unsupported config: {name} has rope_type={kind!r} (a scaled RoPE); this "
+                "loader implements plain RoPE, rope_type 'default'"
+            )
+        theta = params.get("rope_theta", theta)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"config field 'rope_theta' must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def _llama_settings(config: dict) -> dict:
+    """The hyperparameters of a Llama config.json, each checked; unsupported options raise."""
+    _require_model_type(config, "llama")
+    s = {
+        name: _int_field(config, name)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        )
+    }
+    d, h = s["hidden_size"], s["num_attention_heads"]
+    s["kv_heads"] = _int_field(config, "num_key_value_heads", h)
+    if d % h or h % s["kv_heads"]:
+        raise ValueError(
+            f"config: hidden_size={d}, num_attention_heads={h} and "
+            f"num_key_value_heads={s['kv_heads']} do not split into heads"
+        )
+    head_dim = _int_field(config, "head_dim", d // h)
+    if head_dim != d // h:
+        raise ValueError(
+            f"unsupported config: head_dim={head_dim}; the book's attention has "
+            f"head_dim = hidden_size / num_attention_heads = {d // h}"
+        )
+    _require_value(config, "hidden_act", ("silu",), "silu")
+    _require_value(config, "pretraining_tp", (1,), 1)
+    s["attention_bias"] = bool(_require_value(config, "attention_bias", (False, True), False))
+    s["mlp_bias"] = bool(_require_value(config, "mlp_bias", (False, True), False))
+    s["eps"] = float(_field(config, "rms_norm_eps", 1e-6))
+    s["theta"] = _rope_settings(config)
+    s["tied"] = bool(_field(config, "tie_word_embeddings", False))
+    return s
+
+
+def _llama_model(s: dict, layout: str) -> CheckpointLM:
+    d, eps = s["hidden_size"], s["eps"]
+    blocks = [
+        PreNormBlock(
+            RMSNorm(d, eps=eps),
+            RotarySelfAttention(
+                d,
+                s["num_attention_heads"],
+                s["kv_heads"],
+                base=s["theta"],
+                layout=layout,
+                bias=s["attention_bias"],
+            ),
+            RMSNorm(d, eps=eps),
+            PositionwiseFeedForward(
+                d, s["intermediate_size"], activation="swiglu", bias=s["mlp_bias"]
+            ),
+        )
+        for _ in range(s["num_hidden_layers"])
+    ]
+    embed = TokenPositionEmbedding(
+        s["vocab_size"], d, s["max_position_embeddings"], learned_positions=False
+    )
+    return CheckpointLM(embed, blocks, RMSNorm(d, eps=eps), s["tied"], "llama")
+
+
+def _rope_slots(prefix: str, linear: nn.Linear, heads: int, layout: str) -> Slots:
+    """W_Q or W_K (and bias): as stored for the half layout, rows permuted for interleaved."""
+    slots = _linear_slots(prefix, linear)
+    if layout == "interleaved":
+        for key, param in ((f"{prefix}.weight", linear.weight), (f"{prefix}.bias", linear.bias)):
+            if key in slots:
+                slots[key] = (
+                    slots[key][0],
+                    _copy_to(param, lambda t: permute_rope_weight(t, heads, to="interleaved")),
+                )
+    return slots
+
+
+def _llama_slots(model: CheckpointLM, layout: str) -> Slots:
+    slots: Slots = {
+        "model.embed_tokens.weight": (
+            tuple(model.embed.weight.shape),
+            _copy_to(model.embed.weight),
+        ),
+        **_norm_slots("model.norm", model.norm),
+    }
+    for i, block in enumerate(model.blocks):
+        p, attn, ff = f"model.layers.{i}", block.attn, block.ff
+        slots |= _norm_slots(f"{p}.input_layernorm", block.norm1)
+        slots |= _norm_slots(f"{p}.post_attention_layernorm", block.norm2)
+        slots |= _rope_slots(f"{p}.self_attn.q_proj", attn.w_q, attn.num_heads, layout)
+        slots |= _rope_slots(f"{p}.self_attn.k_proj", attn.w_k, attn.num_kv_heads, layout)
+        slots |= _linear_slots(f"{p}.self_attn.v_proj", attn.w_v)
+        slots |= _linear_slots(f"{p}.self_attn.o_proj", attn.w_o)
+        slots |= _linear_slots(f"{p}.mlp.gate_proj", ff.gate)
+        slots |= _linear_slots(f"{p}.mlp.up_proj", ff.linear1)
+        slots |= _linear_slots(f"{p}.mlp.down_proj", ff.linear2)
+    if not model.tie_output:
+        slots |= _linear_slots("lm_head", model.head)
+    return slots
+
+
+def load_llama(
+    directory: str | Path, dtype: torch.dtype = torch.float32, layout: str = "half"
+) -> CheckpointLM:
+    """A Llama checkpoint (``LlamaForCausalLM``'s files) as a `CheckpointLM` of the book's parts.
+
+    RoPE with base ``rope_theta`` on queries and keys (`RotarySelfAttention`), grouped-query
+    attention with ``num_key_value_heads`` key/value heads, `RMSNorm` (``rms_norm_eps``) before
+    each sublayer and at the end, a SwiGLU feed-forward network (`PositionwiseFeedForward` with
+    ``activation="swiglu"``: gate_proj is ``gate``, up_proj ``linear1``, down_proj ``linear2``),
+    no biases unless the config asks for them, and an output projection tied to the token
+    embeddings when ``tie_word_embeddings`` is true.
+
+    Args:
+        directory: the folder with config.json and model.safetensors.
+        dtype: the floating dtype of the returned model.
+        layout: "half" (RoPE as the checkpoint expects it) or "interleaved" (W_Q and W_K
+            permuted by `permute_rope_weight`, pairs (x_2k, x_2k+1) rotated): the same logits.
+
+    Returns:
+        The model, in eval mode: tokens (B, L) -> logits (B, L, V); ``generate`` runs it.
+
+    Raises:
+        FileNotFoundError: for a missing folder or file.
+        ValueError: for an unsupported config (another model_type, rope scaling, an activation
+            other than SiLU, a head_dim other than hidden_size / num_attention_heads,
+            pretraining_tp > 1), or a checkpoint with an unknown key, a missing key or a tensor
+            of the wrong shape, each named.
+    """
+    layout = require_choice("layout", layout, ("half", "interleaved"))
+    config, tensors = read_checkpoint(directory)
+    dtype = require_dtype("dtype", dtype, floating=True)
+    settings = _llama_settings(config)
+    if settings["tied"]:
+        _tied_head(tensors, "lm_head.weight", "model.embed_tokens.weight", str(directory))
+    model = _llama_model(settings, layout).to(dtype)
+    return _fill(model, tensors, _llama_slots(model, layout), str(directory))
