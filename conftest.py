@@ -41,8 +41,9 @@ BOOK_TEST_MODULES = (
 # order they are collected. Only the order of the queue depends on this list, never a result.
 SLOWEST_NOTEBOOKS = (
     "09_transformer", "10_model_families", "07_layer_norm_and_residuals",
-    "12_images_and_convolution", "11_attention_beyond_text", "13_fast_attention",
-    "a8_train", "08_encoder", "05_positional_encoding", "06_feed_forward",
+    "12_images_and_convolution", "15_tokens_and_real_text",
+    "11_attention_beyond_text", "13_fast_attention", "14_real_models", "a8_train",
+    "08_encoder", "05_positional_encoding", "06_feed_forward",
 )
 
 
