@@ -123,11 +123,16 @@ def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> t
         raise ValueError(f"positions must have shape (L,) = ({length},) or (B, L) = "
                          f"{shape_str(tokens)}, got {shape_str(positions)}")
     require_same_device(tokens=tokens, positions=positions)
-    low, high = value_range(positions) if positions.numel() else (0, 0)
-    if low < 0 or high >= max_len:
-        raise ValueError(f"positions must lie in [0, max_len={max_len}), got positions from "
-                         f"{low} to {high}")
+    _require_below("positions", positions, max_len, "max_len")
     return positions
+
+
+def _require_below(name: str, ids: torch.Tensor, limit: int, bound: str) -> None:
+    """Every value of ``ids`` in [0, limit); ``bound`` names the limit in the message."""
+    low, high = value_range(ids) if ids.numel() else (0, 0)
+    if low < 0 or high >= limit:
+        raise ValueError(f"{name} must lie in [0, {bound}={limit}), got {name} from {low} to "
+                         f"{high}")
 
 
 def _rows_at(h: torch.Tensor, logits_at: object) -> torch.Tensor:
@@ -143,10 +148,7 @@ def _rows_at(h: torch.Tensor, logits_at: object) -> torch.Tensor:
         raise ValueError(f"logits_at must have shape (B={b}, K), positions among the L={length} "
                          f"new tokens, got {shape_str(logits_at)}")
     require_same_device(tokens=h, logits_at=logits_at)
-    low, high = value_range(logits_at) if logits_at.numel() else (0, 0)
-    if low < 0 or high >= length:
-        raise ValueError(f"logits_at must lie in [0, L={length}), got positions from {low} to "
-                         f"{high}")
+    _require_below("logits_at", logits_at, length, "L")
     return h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
 
 
