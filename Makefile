@@ -23,7 +23,7 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
-	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps
+	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -117,6 +117,14 @@ serve: book
 # Re-execute notebooks in place (all of them, or NB=book/01_attention.ipynb) and print their times.
 execute: venv
 	$(PY) tests/execute_notebooks.py $(or $(NB),book)
+
+# Chapter 9's model trained data-parallel by NPROC processes on the CPU (or one GPU each), with
+# PyTorch's DistributedDataParallel; the same script runs across machines (see its docstring).
+NPROC ?= 2
+TRAIN_ARGS ?=
+train-distributed: venv
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		scripts/train_distributed.py $(TRAIN_ARGS)
 
 # Speed and memory of the attention code, each a ratio against PyTorch's counterpart, into
 # _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--device cuda", "--repeats 9",

@@ -20,6 +20,7 @@ and this file decides the groups and their order:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,19 @@ BOOK_TEST_MODULES = (
 SLOWEST_NOTEBOOKS = (
     "09_transformer", "10_model_families", "07_layer_norm_and_residuals",
     "12_images_and_convolution", "15_tokens_and_real_text",
-    "11_attention_beyond_text", "13_fast_attention", "14_real_models", "a8_train",
+    "11_attention_beyond_text", "13_fast_attention", "16_beyond_one_machine", "14_real_models",
+    "a8_train",
     "08_encoder", "05_positional_encoding", "06_feed_forward",
 )
 
 
 def pytest_addoption(parser):
+    parser.addoption(
+        "--nbval-kernels", choices=("forked", "fresh"), default="forked",
+        help="with --nbval --nbval-current-env: fork each notebook's kernel from a process that "
+             "has imported torch once (forked, the default; tests/kernel_zygote.py), or start "
+             "each kernel afresh (fresh)",
+    )
     parser.addoption(
         "--nbval-cpu", choices=("native", "generic", "both"), default="native",
         help="with --nbval: run the notebooks on this CPU's kernels (native, the default), on "
@@ -84,6 +92,84 @@ def pytest_collect_file(file_path: Path, parent):
         nodeid = f"{parent.nodeid}/{name}" if parent.nodeid else name
         return cls.from_parent(parent, path=file_path, name=name, nodeid=nodeid)
     return None
+
+
+class _KernelZygotes:
+    """One `kernel_zygote` per environment of torch's kernels (`cpu_key`), started when a
+    notebook first needs it and stopped with the session."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="kernels-"))
+        self.running: dict[str, tuple[object, str | None]] = {}
+
+    def socket_for(self, env: dict[str, str]) -> str | None:
+        """The socket of the zygote for ``env``, started now if need be; None if it fails
+        (the kernel then starts afresh)."""
+        import subprocess
+
+        from kernel_zygote import cpu_key
+
+        key = cpu_key(env)
+        if key not in self.running:
+            path = str(self.folder / f"zygote{len(self.running)}.sock")
+            proc = subprocess.Popen([sys.executable, str(TESTS / "kernel_zygote.py"), path],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                    cwd=TESTS.parent)
+            ready = proc.stdout.readline().strip() == b"ready"
+            self.running[key] = (proc, path if ready else None)
+        return self.running[key][1]
+
+    def stop(self) -> None:
+        import shutil
+        import subprocess
+
+        for proc, _ in self.running.values():
+            proc.stdin.close()  # the zygote exits when its standard input closes
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+TESTS = Path(__file__).resolve().parent / "tests"
+_ZYGOTES: list[_KernelZygotes] = []
+
+
+def pytest_configure(config):
+    """With --nbval --nbval-current-env (and --nbval-kernels forked, the default, on Linux),
+    nbval's kernels are forked from a zygote (tests/kernel_zygote.py): the kernel that Jupyter
+    starts is tests/kernel_launcher.py, which asks the zygote for the real one."""
+    opt = config.option
+    if not (getattr(opt, "nbval", False) and getattr(opt, "nbval_current_env", False)) \
+            or opt.nbval_kernels != "forked" or not sys.platform.startswith("linux"):
+        return
+    from nbval import kernel as nbval_kernel
+
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    zygotes = _KernelZygotes()
+    _ZYGOTES.append(zygotes)
+    original = nbval_kernel.NbvalKernelspecManager.get_kernel_spec
+
+    def get_kernel_spec(self, kernel_name):
+        spec = original(self, kernel_name)
+        if kernel_name == nbval_kernel.CURRENT_ENV_KERNEL_NAME:
+            path = zygotes.socket_for(dict(os.environ))
+            if path:
+                spec.argv = [sys.executable, str(TESTS / "kernel_launcher.py"),
+                             "-f", "{connection_file}"]
+                spec.env = {**spec.env, "BOOK_KERNEL_ZYGOTE": path}
+        return spec
+
+    nbval_kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
+
+
+def pytest_unconfigure(config):
+    while _ZYGOTES:
+        _ZYGOTES.pop().stop()
 
 
 def _rank(item: pytest.Item) -> tuple[int, int]:

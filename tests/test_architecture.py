@@ -33,6 +33,7 @@ LEVELS = {
     "utils.decoding": 3, "utils.costs": 3, "utils.plotting": 3, "utils.explorer": 3,
     "utils.diagrams": 3,
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
+    "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the grader"]
 

@@ -34,7 +34,7 @@ from ._validation import (
 )
 
 __all__ = ["fused_attention", "memory_efficient_attention", "local_attention",
-           "split_k_attention"]
+           "split_k_attention", "online_softmax_step", "online_softmax_finish"]
 
 
 def fused_attention(
@@ -101,6 +101,52 @@ def _tile(mask: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     r = rows if mask.shape[-2] != 1 else slice(None)
     c = cols if mask.shape[-1] != 1 else slice(None)
     return mask[..., r, c]
+
+
+def online_softmax_step(
+    m: torch.Tensor,
+    l_sum: torch.Tensor,
+    acc: torch.Tensor,
+    scores: torch.Tensor,
+    v_blk: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one tile of scores and its block of values into the online softmax's running state.
+
+    For each query row the state holds the largest score seen so far ``m``, the sum ``l_sum``
+    of exp(score - m) over the keys seen so far and ``acc``, the sum of exp(score - m) v. When
+    the new tile raises the maximum, the old sums are rescaled by exp(m_old - m_new) so that
+    every term is again relative to one maximum. Start from ``m = -inf``, ``l_sum = 0``,
+    ``acc = 0``; `online_softmax_finish` turns the final state into the attention output.
+
+    Args:
+        m: running maximum, (..., n, 1); -inf for a row that has seen no allowed key yet.
+        l_sum: running sum of the exponentials, (..., n, 1).
+        acc: running weighted sum of values, (..., n, d_v).
+        scores: the scaled scores of this tile, (..., n, b), -inf where masked.
+        v_blk: the values of this tile's keys, (..., b, d_v).
+
+    Returns:
+        The new ``(m, l_sum, acc)``, of the same shapes. The maximum is detached: the result
+        does not depend on it, it only keeps exp from overflowing.
+    """
+    m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True).detach())
+    # A row with no allowed key so far has m_new = -inf; subtract 0 instead, so that its
+    # exp(-inf) terms are 0 rather than exp(-inf - (-inf)) = NaN.
+    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    p = torch.exp(scores - m_safe)  # (..., n, b), masked entries exactly 0
+    alpha = torch.exp(m - m_safe)  # rescales what was summed against the old maximum
+    l_sum = alpha * l_sum + p.sum(dim=-1, keepdim=True)
+    acc = alpha * acc + p @ v_blk
+    return m_new, l_sum, acc
+
+
+def online_softmax_finish(acc: torch.Tensor, l_sum: torch.Tensor) -> torch.Tensor:
+    """The attention output ``acc / l_sum``, (..., n, d_v), from the online softmax's state.
+
+    ``l_sum`` is 0 only for a row without any allowed key; its ``acc`` is 0 too, so its output
+    is 0, never NaN.
+    """
+    return acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
 
 
 def memory_efficient_attention(
@@ -174,17 +220,8 @@ def memory_efficient_attention(
             s = q_blk @ k[..., cols, :].transpose(-2, -1)  # (..., bq, bk): one tile
             if mask is not None:
                 s = s.masked_fill(~_tile(mask, rows, cols), float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True).detach())
-            # A row with no allowed key so far has m_new = -inf; subtract 0 instead, so that its
-            # exp(-inf) terms are 0 rather than exp(-inf - (-inf)) = NaN.
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_safe)  # (..., bq, bk), masked entries exactly 0
-            alpha = torch.exp(m - m_safe)  # rescales what was summed against the old maximum
-            l_sum = alpha * l_sum + p.sum(dim=-1, keepdim=True)
-            acc = alpha * acc + p @ v[..., cols, :]
-            m = m_new
-        # l = 0 only for a row without any allowed key; its acc is 0 too, so its output is 0.
-        outputs.append(acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum)))
+            m, l_sum, acc = online_softmax_step(m, l_sum, acc, s, v[..., cols, :])
+        outputs.append(online_softmax_finish(acc, l_sum))
     if not outputs:
         return torch.zeros((*batch, 0, d_v), dtype=q.dtype, device=q.device)
     return torch.cat(outputs, dim=-2)
