@@ -13,6 +13,9 @@ and this file decides the groups and their order:
   group of its own whose kernel starts with PyTorch's generic kernels (no AVX2 or AVX-512) and
   MKL limited to SSE4.2, so that float sums happen in another order: a stored output that
   depends on that order fails here instead of on a reader's laptop;
+* every notebook's kernel is forked from a zygote that has imported torch once (``--nbval-kernels
+  forked``, the default; tests/kernel_zygote.py), one per worker and per kind of CPU, instead of
+  a fresh Python that spends seconds importing it;
 * the groups are queued longest first (the book, then the notebooks, slowest first, then the
   test modules), so that no worker is left with a long group while the other one idles.
 """

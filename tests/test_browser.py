@@ -426,9 +426,12 @@ def _load_and_record(driver, visit, wait_for_js, extra_js, screenshot, size) -> 
     visit.page["layout"] = driver.execute_script(LAYOUT)
     if extra_js:
         visit.page["extra"] = driver.execute_script(extra_js)
+    last_script = time.monotonic()
     if screenshot:
         _screenshot(driver, screenshot, size or WINDOW, mobile=bool(size))
-    time.sleep(0.2)  # let a request started by the last script reach the log
+    # Let a request started by the last script reach the log: 0.2 s after it (a full-page
+    # screenshot usually takes longer than that already).
+    time.sleep(max(0.0, last_script + 0.2 - time.monotonic()))
 
 
 # ----------------------------------------------------------------------------- the checks

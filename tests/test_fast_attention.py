@@ -98,6 +98,10 @@ def test_piecewise_attention_matches_plain(shape, mask_kind, dtype, setting):
     mask = _mask(mask_kind, batch, l_q, l_k)
     expected = _plain(q, k, v, mask)
     for size in sizes:
+        if size == 1 and setting == "block_size" and l_q * l_k > 1024:
+            # 1x1 tiles take one Python step per (query, key) pair: the small shapes run the
+            # same code path in a fraction of the time (64 x 64 alone is 4,096 steps).
+            continue
         out = attend(q, k, v, mask, size)
         assert out.shape == expected.shape and out.dtype == dtype
         assert not out.isnan().any()
