@@ -205,3 +205,21 @@ def test_the_zygote_kills_and_reaps_its_children(tmp_path):
             os.close(fd)
     assert zygote.proc.returncode == 0
     assert not Path(f"/proc/{second}").exists()
+
+
+def test_the_zygote_keeps_matplotlib_s_font_list_in_a_lasting_folder(tmp_path, monkeypatch):
+    """matplotlib builds its font list on first import, 2 to 3 s in a fresh folder: the zygote
+    reads it from a folder of the grader's user, and its children get no trace of that."""
+    from utils.checks import zygote
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    env = zygote_client._matplotlib_cache()
+    folder = tmp_path / "cache" / "tested-transformer" / "grader-matplotlib"
+    assert env == {"MPLCONFIGDIR": str(folder)} and folder.is_dir()
+    assert folder.stat().st_mode & 0o077 == 0  # the user's own
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # cannot hold a folder
+    assert zygote_client._matplotlib_cache() == {}  # then a fresh folder, as before
+    monkeypatch.setenv("MPLCONFIGDIR", str(folder))
+    zygote.preload()
+    assert "MPLCONFIGDIR" not in os.environ  # gone before any child is forked
