@@ -110,6 +110,7 @@ class _KernelZygotes:
     def socket_for(self, env: dict[str, str]) -> str | None:
         """The socket of the zygote for ``env``, started now if need be; None if it fails
         (the kernel then starts afresh)."""
+        import selectors
         import subprocess
 
         from kernel_zygote import cpu_key
@@ -120,7 +121,13 @@ class _KernelZygotes:
             proc = subprocess.Popen([sys.executable, str(TESTS / "kernel_zygote.py"), path],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                     cwd=TESTS.parent)
-            ready = proc.stdout.readline().strip() == b"ready"
+            # "ready" once it has imported torch and listens; a zygote that says nothing for
+            # two minutes is stopped, and the kernels start afresh.
+            with selectors.DefaultSelector() as sel:
+                sel.register(proc.stdout, selectors.EVENT_READ)
+                ready = bool(sel.select(120)) and proc.stdout.readline().strip() == b"ready"
+            if not ready:
+                proc.kill()
             self.running[key] = (proc, path if ready else None)
         return self.running[key][1]
 
