@@ -15,7 +15,8 @@ and this file decides the groups and their order:
   depends on that order fails here instead of on a reader's laptop;
 * every notebook's kernel is forked from a zygote that has imported torch once (``--nbval-kernels
   forked``, the default; tests/kernel_zygote.py), one per worker and per kind of CPU, instead of
-  a fresh Python that spends seconds importing it;
+  a fresh Python that spends seconds importing it (and so is the kernel of a test that runs a
+  notebook itself, through the ``notebook_kernel_manager`` fixture);
 * the groups are queued longest first (the book, then the notebooks, slowest first, then the
   test modules), so that no worker is left with a long group while the other one idles.
 """
@@ -175,6 +176,29 @@ def pytest_configure(config):
         return spec
 
     nbval_kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
+
+
+@pytest.fixture
+def notebook_kernel_manager():
+    """For a test that runs a notebook itself (`nbclient.NotebookClient(nb, km=...)`): a kernel
+    manager whose kernel is forked from this worker's zygote, as nbval's are, or None (a fresh
+    kernel) when no zygote runs (without ``--nbval``, or with ``--nbval-kernels fresh``)."""
+    path = _ZYGOTES[0].socket_for(dict(os.environ)) if _ZYGOTES else None
+    if path is None:
+        yield None
+        return
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ForkedSpecs(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            spec = super().get_kernel_spec(kernel_name)
+            spec.argv = [sys.executable, str(TESTS / "kernel_launcher.py"), "-f",
+                         "{connection_file}"]
+            spec.env = {**spec.env, "BOOK_KERNEL_ZYGOTE": path}
+            return spec
+
+    yield AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ForkedSpecs())
 
 
 def pytest_unconfigure(config):

@@ -188,9 +188,9 @@ def test_no_line_of_a_solution_is_left(path, student_dir):
 
 
 @pytest.mark.parametrize("path", ASSIGNMENTS, ids=[p.name for p in ASSIGNMENTS])
-def test_student_version_runs_and_every_check_fails(path, student_dir):
+def test_student_version_runs_and_every_check_fails(path, student_dir, notebook_kernel_manager):
     nb = nbformat.read(student_dir / path.name, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
+    NotebookClient(nb, km=notebook_kernel_manager, timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(student_dir)}}).execute()
     checks = 0
     for cell in nb.cells:

@@ -23,8 +23,12 @@ scroll sideways, no table is clipped, no page scrolls sideways. On the phone: no
 sideways as a whole (long inline code wraps), a display equation wider than the screen scrolls
 inside its own box, no table is clipped, every notebook figure fills the column and is a link
 to its full-size image. The measurements go to ``test-artifacts/layout.json`` and to the
-one-line summaries that pytest prints; a full-page screenshot of every page at both sizes goes
-to ``test-artifacts/screenshots/1280x800/`` and ``.../390x844/`` (git-ignored).
+one-line summaries that pytest prints; a screenshot of every page at both sizes goes to
+``test-artifacts/screenshots/1280x800/`` and ``.../390x844/`` (git-ignored): the first screen of
+each page, or the whole page with ``BROWSER_SCREENSHOTS=full`` in the environment. (A full-page
+shot lays the page out again in a viewport up to 30,000 px tall and rasterises it: about a second
+a page, as long as loading it, so the everyday run keeps to the first screen; every check above
+measures the whole page either way.)
 ``test_checks_catch_a_broken_page`` feeds the same checks a page that breaks every rule, to prove
 that they can fail.
 """
@@ -63,6 +67,8 @@ ARTIFACTS = ROOT / "test-artifacts"
 WINDOW = (1280, 800)  # a laptop: the sidebar, the ~800 px text column and the page's contents
 PHONE = (390, 844)  # a phone held upright, in CSS pixels
 MAX_SCROLLING_SHARE = 0.05  # at 1280 px, of the code cells and of the outputs
+# "full": whole-page screenshots; anything else: the first screen of each page (the default).
+FULL_SCREENSHOTS = os.environ.get("BROWSER_SCREENSHOTS", "") == "full"
 
 # Chromium's flags. The background-networking ones keep the browser itself from calling home:
 # in a closed network those connections are refused and show up as errors.
@@ -577,8 +583,14 @@ def _canonical(url: str | None) -> str | None:
 
 
 def _screenshot(driver, path: Path, size: tuple[int, int] = WINDOW, mobile: bool = False) -> None:
-    """A full-page PNG at the given width: the viewport is made as tall as the page first
-    (capturing beyond a normal viewport misplaces the theme's sticky sidebars), then set back."""
+    """A PNG of the page at the given width: its first screen, as the reader first sees it, or
+    with `FULL_SCREENSHOTS` the whole page (the viewport is made as tall as the page first, since
+    capturing beyond a normal viewport misplaces the theme's sticky sidebars, then set back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not FULL_SCREENSHOTS:
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png"})
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride",
@@ -601,7 +613,6 @@ def _screenshot(driver, path: Path, size: tuple[int, int] = WINDOW, mobile: bool
             )
         else:
             driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(base64.b64decode(shot["data"]))
 
 
@@ -691,7 +702,7 @@ def browser() -> Iterator[object]:
 @pytest.fixture(scope="session")
 def visits(book_url, browser, request) -> list[Visit]:
     """Every page of the table of contents, visited once in a 1280x800 window, in reading
-    order, each with a full-page screenshot."""
+    order, each with a screenshot."""
     result = _visit_all(browser, book_url, request, None)
     formulas = sum(v.page["containers"] for v in result)
     images = sum(len(v.page["images"]) for v in result)
@@ -800,15 +811,22 @@ def test_search_finds_softmax(book_url, browser, visits):
 
 
 def test_screenshots_are_saved(visits, phone_visits):
-    """Every page at both sizes, as PNG files of real content (artifacts, never committed)."""
+    """Every page at both sizes, as PNG files of real content (artifacts, never committed): the
+    first screen, or with `FULL_SCREENSHOTS` the whole page (at least a screen tall)."""
     for size, seen in ((WINDOW, visits), (PHONE, phone_visits)):
         for v in seen:
             shot = _shot_path(size, v.name)
             assert shot in SCREENSHOTS, shot
-            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
-            assert shot.stat().st_size > 20_000, f"{shot} is (nearly) empty"
-            width = int.from_bytes(shot.read_bytes()[16:20], "big")  # the PNG header's width
+            data = shot.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n", shot
+            assert len(data) > 20_000, f"{shot} is (nearly) empty"
+            # the PNG header's width and height
+            width, height = (int.from_bytes(data[i:i + 4], "big") for i in (16, 20))
             assert width == size[0], f"{shot} is {width} px wide, not {size[0]}"
+            # At least the viewport: the phone's whole screen, the window's less its own bars;
+            # the first screen is exactly that.
+            assert height >= 0.75 * size[1], f"{shot} is {height} px tall, less than a screen"
+            assert FULL_SCREENSHOTS or height <= size[1], f"{shot} is {height} px tall"
 
 
 def layout_problems(visit: Visit, phone: bool) -> list[str]:
