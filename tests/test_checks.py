@@ -212,3 +212,28 @@ def test_static_scan_sees_imports():
     assert static_scan(["import utils.attention as a"], rules) == [rules[0].id]
     assert static_scan(["__import__('utils.attention')"], rules) == [rules[0].id]
     assert math.isfinite(1.0)
+
+
+def test_the_decomposition_index_finds_what_a_full_walk_finds():
+    """The grader's zygote indexes torch's Python decompositions and references once, by
+    operator; a child poisons through the index what a walk of every one would find."""
+    import sys
+
+    import torch._decomp  # noqa: F401
+    import torch._refs  # noqa: F401
+
+    from utils.checks import poison
+
+    table = poison._decomposition_table()
+    index = poison._DecompositionIndex(table)
+    assert index.table_size == len(table) > 100
+    found = 0
+    for name in ("native_batch_norm", "native_group_norm", "batch_norm", "rms_norm",
+                 "native_layer_norm", "_softmax", "softmax", "instance_norm"):
+        walked_ops = {op for op in list(table) if poison._base_name(op) == name}
+        assert set(index.ops.get(name, [])) == walked_ops, name
+        walked = {id(f) for m in list(sys.modules) if m.startswith(poison._DECOMP_MODULES)
+                  for f in poison._functions_in(sys.modules[m]) if f.__name__ == name}
+        assert {id(f) for f in index.functions.get(name, [])} == walked, name
+        found += len(walked_ops) + len(walked)
+    assert found > 10  # the names above do have decompositions and references to poison

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import struct
 from collections.abc import Iterable
 
@@ -98,7 +99,7 @@ def _add_rule(ruleset: int, path: str, rights: int) -> None:
     except OSError:
         return  # nothing there: nothing to allow
     try:
-        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):  # fstat reads an O_PATH descriptor
             rights &= _FILE_ONLY
         rule = struct.pack("=Qi", rights, fd)
         rbuf = ctypes.create_string_buffer(rule, len(rule))

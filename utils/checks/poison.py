@@ -81,7 +81,9 @@ def poison_operators(ops: Sequence[tuple[str, str]], reporter: Reporter) -> list
     """Make each torch operator ``(name, rule id)`` report and raise, through the dispatcher.
 
     Returns the operators poisoned (those this torch has)."""
-    done = []
+    done: list[str] = []
+    if not ops:
+        return done
     lib = torch.library.Library("aten", "IMPL")
     for name, rule_id in ops:
         try:
@@ -113,10 +115,13 @@ def _keep_forever(lib: Any) -> None:
     (which torch would let any code run early) is detached, and its C++ handle gets a reference
     that no Python object holds."""
     import weakref
-    for fin in list(getattr(weakref.finalize, "_registry", {})):
+    # Newest first: the library's finalizer was made with it, after every other (reading every
+    # finalizer of the process would copy, page by page, what a forked child shares).
+    for fin in reversed(getattr(weakref.finalize, "_registry", {})):
         try:
             if fin.peek() is not None and fin.peek()[0] is lib:
                 fin.detach()
+                break
         except ReferenceError:
             continue
     for handle in [getattr(lib, "m", None), *getattr(lib, "_registration_handles", [])]:
@@ -125,26 +130,80 @@ def _keep_forever(lib: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(lib))
 
 
-def _poison_decompositions(names: set[str], rule_of: dict[str, str], reporter: Reporter) -> None:
-    """torch's Python decompositions and references of the operators ``names``."""
+_DECOMP_MODULES = ("torch._decomp", "torch._refs", "torch._prims")
+
+
+class _DecompositionIndex:
+    """Where torch's Python decompositions and references of each operator are: the keys of the
+    decomposition table and the functions of torch._decomp, torch._refs and torch._prims, by
+    operator name. Made once in the zygote (`index_decompositions`), so that a child reads only
+    the entries of the operators it poisons: walking every one of them in each child costs about
+    15 ms, most of it copying the pages it touches of what the child shares with the zygote."""
+
+    def __init__(self, table: dict[Any, Any]) -> None:
+        self.table_size = len(table)
+        self.ops: dict[str, list[Any]] = {}
+        for op in list(table):
+            self.ops.setdefault(_base_name(op), []).append(op)
+        self.modules = frozenset(m for m in list(sys.modules) if m.startswith(_DECOMP_MODULES))
+        self.functions: dict[str, list[types.FunctionType]] = {}
+        for name in self.modules:
+            for value in _functions_in(sys.modules.get(name)):
+                self.functions.setdefault(value.__name__, []).append(value)
+
+
+_INDEX: _DecompositionIndex | None = None
+
+
+def _decomposition_table() -> dict[Any, Any]:
     try:
         from torch._decomp import decomposition_table
     except ImportError:
-        decomposition_table = {}
-    for op in list(decomposition_table):
-        base = str(getattr(getattr(op, "overloadpacket", op), "__name__", ""))
-        if base in names:
-            decomposition_table[op] = _raiser(f"torch's {base} may not be used in this assignment",
-                                              _reporting(reporter, rule_of[base], base))
-    for mod_name, module in list(sys.modules.items()):
-        if not mod_name.startswith(("torch._decomp", "torch._refs", "torch._prims")) or \
-                module is None:
-            continue
-        for value in list(vars(module).values()):
-            if inspect.isfunction(value) and value.__name__ in names:
-                _replace_code(value, f"torch's {value.__name__} may not be used in this "
-                                     "assignment", _reporting(reporter, rule_of[value.__name__],
-                                                              value.__name__))
+        return {}
+    return decomposition_table
+
+
+def index_decompositions() -> None:
+    """Index torch's decompositions once, before forking the children (the zygote calls it)."""
+    global _INDEX
+    _INDEX = _DecompositionIndex(_decomposition_table())
+
+
+def _base_name(op: Any) -> str:
+    return str(getattr(getattr(op, "overloadpacket", op), "__name__", ""))
+
+
+def _functions_in(module: Any) -> list[types.FunctionType]:
+    if module is None:
+        return []
+    return [v for v in list(vars(module).values()) if inspect.isfunction(v)]
+
+
+def _poison_decompositions(names: set[str], rule_of: dict[str, str], reporter: Reporter) -> None:
+    """torch's Python decompositions and references of the operators ``names``: through the
+    zygote's index where it still describes this process, and whatever was imported or
+    registered since, read in full."""
+    if not names:
+        return
+    table = _decomposition_table()
+    index = _INDEX
+    if index is not None and len(table) == index.table_size:
+        table_ops = [op for name in names for op in index.ops.get(name, [])]
+    else:
+        table_ops = [op for op in list(table) if _base_name(op) in names]
+    for op in table_ops:
+        base = _base_name(op)
+        table[op] = _raiser(f"torch's {base} may not be used in this assignment",
+                            _reporting(reporter, rule_of[base], base))
+    indexed = index.modules if index is not None else frozenset()
+    functions = [f for name in names for f in index.functions.get(name, [])] if index else []
+    for mod_name in [m for m in list(sys.modules) if m.startswith(_DECOMP_MODULES)]:
+        if mod_name not in indexed:
+            functions += [f for f in _functions_in(sys.modules.get(mod_name))
+                          if f.__name__ in names]
+    for fn in functions:
+        _replace_code(fn, f"torch's {fn.__name__} may not be used in this assignment",
+                      _reporting(reporter, rule_of[fn.__name__], fn.__name__))
 
 
 def _poison_code(nfree: int, message: str) -> types.CodeType:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import child, kernel
+from . import child, kernel, poison
 
 MAX_MESSAGE = 65536
 
@@ -104,7 +104,9 @@ def preload() -> None:
     ``torch._inductor.config`` and with it torch's compiler stack: close to two seconds, and parts
     of it (torch's decompositions) are unreadable to a child under a rule on torch's operators.
     It is torch's own code; the assignments' rules concern the book's modules, which stay out.
-    matplotlib, which many notebooks import, is loaded here too (see below).
+    matplotlib, which many notebooks import, is loaded here too (see below). Last, torch's
+    Python decompositions are indexed by operator (`poison.index_decompositions`), so that a
+    child that poisons an operator reads only that operator's entries.
     """
     with contextlib.suppress(ImportError):
         import torch._inductor.config  # noqa: F401
@@ -117,6 +119,8 @@ def preload() -> None:
     # The grader's font-list folder (`zygote_client._matplotlib_cache`) served the import above;
     # the children get no variable of it.
     os.environ.pop("MPLCONFIGDIR", None)
+    # Where torch's decompositions of each operator are, for the children that poison some.
+    poison.index_decompositions()
 
 
 def main(fd: int) -> None:
