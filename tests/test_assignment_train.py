@@ -5,6 +5,7 @@ submissions through the sandboxed grader."""
 from __future__ import annotations
 
 import csv
+import functools
 import time
 
 import nbformat
@@ -54,11 +55,16 @@ def _submission(ns: dict) -> Submission:
     return Submission(*(ns.get(n) for n in a8_train.FUNCTIONS))
 
 
-SPECS = dict(zip([c.id for c in CHECKER.cases], CHECKER.specs(), strict=True))
+@functools.cache
+def _specs() -> dict:
+    """The checker's specs by case id, made when a test first needs them: making them draws the
+    training stream's sources (a second and a half), which every worker would otherwise pay
+    while it collects the tests."""
+    return dict(zip([c.id for c in CHECKER.cases], CHECKER.specs(), strict=True))
 
 
 def _judge(submission, case_id: str):
-    spec = SPECS[case_id]
+    spec = _specs()[case_id]
     raw = guarded_exercise(submission, spec, 120)
     return CHECKER.judge(spec, raw)
 
@@ -164,7 +170,7 @@ def test_a_decoder_that_ignores_the_model_earns_nothing_for_training():
 def test_scripted_model_and_simulation_agree():
     """The scripted model's greedy tokens, decoded by the book's solution, are the simulation's."""
     ns = _namespace()
-    spec = SPECS["greedy_batch"]
+    spec = _specs()["greedy_batch"]
     src, mask = spec.tensors["src"], spec.tensors["src_mask"]
     got = ns["greedy_decode"](ScriptedModel(), src, mask, 8)
     assert torch.equal(got, simulate_greedy(src, mask, 8))
@@ -330,7 +336,7 @@ def test_the_notebook_uses_the_checker_task_and_the_test_set_is_held_out():
     task = ns["TASK"]
     assert (task.min_len, task.max_len, task.num_symbols) == tuple(a8_train.TASK_ARGS.values())
     assert ns["BATCH_SIZE"] == a8_train.BATCH_SIZE and ns["V"] == a8_train.VOCAB
-    spec = SPECS["training"]
+    spec = _specs()["training"]
     seen = a8_train.training_sources(spec.literals[2])
     rows = {tuple(r[r != a8_train.PAD].tolist()) for r in spec.tensors["src"]}
     assert len(rows) == a8_train.NUM_TEST and not rows & seen
