@@ -37,12 +37,17 @@ book: venv
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
-# Debian's Chromium and its driver, for the browser test; installed only when missing.
+# Debian's Chromium headless shell and its driver, for the browser test; installed only when
+# missing. Where they cannot be installed but the full `chromium` and its driver are there, the
+# test runs in that (slower) instead.
 browser-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if ! command -v chromium-headless-shell >/dev/null || ! command -v chromedriver >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		{ $$SUDO apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium-headless-shell \
+			chromium-driver >/dev/null; } || \
+		{ command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
+		  echo "chromium-headless-shell could not be installed: the browser test uses chromium"; }; \
 	fi
 
 # Debian's TeX for `make pdf`, installed only when missing: XeLaTeX and the LaTeX packages that

@@ -4,6 +4,8 @@
 - ``authoryear``: a pybtex style whose bibliography labels read as the citations in
   the text do ("Vaswani et al., 2017", not "[VSP+17]"), sorted by author, year and
   title.
+- pybtex's plain-text backend registered at run time, so that finding it does not read every
+  installed package's entry points at each citation.
 - Inline scripts written twice into a page are written once: sphinx-thebe's settings
   and sphinx-togglebutton's selector. Sphinx keeps both the copy that an extension
   registers before the builder exists and the copy it adds to the builder, because
@@ -17,6 +19,7 @@ import codecs
 from typing import Any
 
 import latexcodec  # noqa: F401 (registers the "ulatex" codec)
+from pybtex.backends.plaintext import Backend as PlaintextBackend
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
@@ -71,6 +74,12 @@ class AuthorYearStyle(UnsrtStyle):
 
 
 register_plugin("pybtex.style.formatting", "authoryear", AuthorYearStyle)
+
+# sphinxcontrib-bibtex asks pybtex for its plain-text backend at every citation (a tooltip), and
+# pybtex looks for a plugin first among those registered at run time, then among the installed
+# packages' entry points, reading all their metadata each time: about 20 ms, some 190 times a
+# build. Registered here, the same class is found at once.
+register_plugin("pybtex.backends", "plaintext", PlaintextBackend, force=True)
 
 
 def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctree):
