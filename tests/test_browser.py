@@ -2,8 +2,9 @@
 
 The book is served from ``_build/html`` on 127.0.0.1 (a free port, ``http.server`` in a thread) and
 every page of the table of contents is opened in Debian's Chromium (its headless shell), driven by
-Selenium through the installed ``chromedriver`` (nothing is downloaded: the driver's path is given, so Selenium Manager
-never runs). Each page is visited once; the tests below then check what was recorded:
+Selenium through the installed ``chromedriver`` (nothing is downloaded: the driver's path is
+given, so Selenium Manager never runs). Each page is visited once; the tests below then check
+what was recorded:
 
 - every formula is typeset by MathJax (no raw TeX left, no MathJax error);
 - every image loaded and has alt text; every notebook figure has a caption; no text is lost as

@@ -4,8 +4,8 @@
 - ``authoryear``: a pybtex style whose bibliography labels read as the citations in
   the text do ("Vaswani et al., 2017", not "[VSP+17]"), sorted by author, year and
   title.
-- pybtex's plain-text backend registered at run time, so that finding it does not read every
-  installed package's entry points at each citation.
+- pybtex's plain-text backend registered at run time, so that finding it
+  does not read every installed package's entry points at each citation.
 - Inline scripts written twice into a page are written once: sphinx-thebe's settings
   and sphinx-togglebutton's selector. Sphinx keeps both the copy that an extension
   registers before the builder exists and the copy it adds to the builder, because
@@ -75,10 +75,11 @@ class AuthorYearStyle(UnsrtStyle):
 
 register_plugin("pybtex.style.formatting", "authoryear", AuthorYearStyle)
 
-# sphinxcontrib-bibtex asks pybtex for its plain-text backend at every citation (a tooltip), and
-# pybtex looks for a plugin first among those registered at run time, then among the installed
-# packages' entry points, reading all their metadata each time: about 20 ms, some 190 times a
-# build. Registered here, the same class is found at once.
+# sphinxcontrib-bibtex asks pybtex for its plain-text backend at every
+# citation (a tooltip), and pybtex looks for a plugin first among those
+# registered at run time, then among the installed packages' entry points,
+# reading all their metadata each time: about 20 ms, some 190 times a build.
+# Registered here, the same class is found at once.
 register_plugin("pybtex.backends", "plaintext", PlaintextBackend, force=True)
 
 
