@@ -8,6 +8,7 @@ the logits are of order 1 and agreement means something. Nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -18,13 +19,20 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
-
 from utils.attention import keep_attention_weights  # noqa: E402
 from utils.checkpoint_models import CheckpointLM, GELUFeedForward  # noqa: E402
 from utils.decoding import generate  # noqa: E402
 from utils.pretrained import load_gpt2, load_llama  # noqa: E402
+
+
+@functools.cache
+def _transformers():
+    """The reference library, imported when a test first needs it (not while each worker
+    collects the tests: over a second); a test without it is skipped."""
+    lib = pytest.importorskip("transformers")
+    lib.logging.set_verbosity_error()
+    return lib
+
 
 VOCAB = 101  # not a multiple of 64
 NEVER = 10_000  # an end token no model can produce: every generation runs its full length
@@ -53,7 +61,8 @@ def _gpt2(**overrides):
         vocab_size=VOCAB, n_positions=40, n_layer=2, initializer_range=0.3, bos_token_id=0
     )
     settings.update(eos_token_id=0, **overrides)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))
+    lib = _transformers()
+    return lib.GPT2LMHeadModel(lib.GPT2Config(**settings))
 
 
 def _llama(**overrides):
@@ -71,7 +80,8 @@ def _llama(**overrides):
         eos_token_id=0,
     )
     settings.update(overrides)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
+    lib = _transformers()
+    return lib.LlamaForCausalLM(lib.LlamaConfig(**settings))
 
 
 def _save(model, directory):

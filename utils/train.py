@@ -243,7 +243,10 @@ def train(
         raise ValueError(f"model has no parameter with requires_grad=True to train "
                          f"({type(model).__name__})")
     torch.manual_seed(seed)
-    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-9)
+    # foreach: each update is a few calls over all the parameters at once instead of a few
+    # calls per parameter; the same arithmetic in the same order, so the same weights to the
+    # last bit, a millisecond sooner per step for the book's small models.
+    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.98), eps=1e-9, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_linear_decay(min(s, steps - 1), warmup, steps))
     history = History()
