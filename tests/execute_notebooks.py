@@ -12,6 +12,7 @@ The kernel is this interpreter, so run it with the project's virtual environment
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -41,14 +42,20 @@ def execute(path: Path, timeout: int = 300, write: bool = True) -> float:
 
 
 def main(args: list[str]) -> int:
-    write = "--time-only" not in args
-    args = [a for a in args if a != "--time-only"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", type=Path, default=[ROOT / "book"],
+                        help="notebooks or folders of notebooks (default: book/)")
+    parser.add_argument("--time-only", action="store_true",
+                        help="time the notebooks and leave them as they are")
+    opts = parser.parse_args(args)
     paths: list[Path] = []
-    for a in args or [str(ROOT / "book")]:
-        p = Path(a).resolve()
+    for a in opts.paths:
+        p = a.resolve()
+        if not p.exists():
+            parser.error(f"{a}: no such file or folder")
         paths += [q for q in book_notebooks() if p == q or p in q.parents] if p.is_dir() else [p]
     for p in paths:
-        print(f"{execute(p, write=write):6.1f} s  {p.relative_to(ROOT)}", flush=True)
+        print(f"{execute(p, write=not opts.time_only):6.1f} s  {p.relative_to(ROOT)}", flush=True)
     return 0
 
 
