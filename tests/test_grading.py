@@ -182,12 +182,15 @@ def test_makefile_has_a_grade_target():
         assert re.search(rf"^{target}:.*\$\(GRADE_STAMP\)", text, re.M), target
 
 
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
 def _huge_pages_possible() -> bool:
     """Whether this kernel can collapse memory into transparent huge pages (Linux 6.1 or later,
     with them not switched off)."""
     release = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
     try:
-        enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        enabled = THP_ENABLED.read_text()
     except OSError:
         return False
     return sys.platform == "linux" and release >= (6, 1) and "[never]" not in enabled
@@ -201,12 +204,13 @@ def _anon_huge_kib(pid: int) -> int:
 def test_the_zygote_kills_and_reaps_its_children(tmp_path):
     """A child the grader gives up on is gone at once, and so is every child when the zygote
     stops; the zygote is single-threaded (it refuses to start otherwise). Where the kernel can,
-    the zygote's memory is mapped with huge pages, so that each fork copies few page tables."""
+    it collapses its memory into huge pages before its `COLLAPSE_AFTER`-th fork (so that each
+    later fork copies few page tables), and not before."""
+    from utils.checks.zygote import COLLAPSE_AFTER
+
     zygote = zygote_client.Zygote()
     fds = []
     try:
-        if _huge_pages_possible():
-            assert _anon_huge_kib(zygote.proc.pid) >= 64 * 1024  # of its ~240 MiB
         first, *ends = zygote.spawn(tmp_path)
         fds += ends
         second, *ends = zygote.spawn(tmp_path)
@@ -218,6 +222,17 @@ def test_the_zygote_kills_and_reaps_its_children(tmp_path):
         assert os.getsid(first) == first != os.getsid(0)
         assert zygote.kill(first)
         assert not Path(f"/proc/{first}").exists()
+        if _huge_pages_possible():
+            for _ in range(COLLAPSE_AFTER - 3):
+                pid, *ends = zygote.spawn(tmp_path)
+                fds += ends
+                assert zygote.kill(pid)
+            before = _anon_huge_kib(zygote.proc.pid)
+            pid, *ends = zygote.spawn(tmp_path)
+            fds += ends
+            assert _anon_huge_kib(zygote.proc.pid) >= max(before, 64 * 1024)  # of its ~240 MiB
+            if "[madvise]" in THP_ENABLED.read_text():  # no huge page but those asked for
+                assert before == 0
     finally:
         zygote.close()
         for fd in fds:
