@@ -108,6 +108,9 @@ WAIT_MATHJAX = r"""
 const done = arguments[arguments.length - 1];
 const hasScript = [...document.scripts].some((s) => /mathjax/i.test(s.src));
 if (!hasScript) { done("no MathJax script"); return; }
+// Called once the document is complete, when every script of the page, deferred and async
+// ones included, has run or failed to load; MathJax makes its startup object as its script runs.
+// So no startup object two seconds later means that its script failed.
 const t0 = Date.now();
 (function poll() {
   const mj = window.MathJax;
@@ -115,7 +118,7 @@ const t0 = Date.now();
     mj.startup.promise
       .then(() => document.fonts.ready)
       .then(() => done("typeset"), (e) => done("MathJax failed: " + e));
-  } else if (Date.now() - t0 > 10000) {
+  } else if (Date.now() - t0 > 2000) {
     done("MathJax never started (its script did not load or run)");
   } else {
     setTimeout(poll, 50);

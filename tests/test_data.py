@@ -1,9 +1,11 @@
 """Tests for utils.data: the specials, vocabularies, padding and BERT's masking rule (the toy
 tasks that build on them are tested in test_tasks.py)."""
 
+import numpy as np
 import pytest
 import torch
 
+from utils._validation import InputTypeError
 from utils.data import BOS, EOS, PAD, SPECIALS, Vocab, bert_mask_tokens, pad_sequences
 from utils.masks import padding_mask
 
@@ -42,6 +44,29 @@ def test_pad_sequences_matches_padding_mask():
     assert torch.equal(mask, padding_mask([3, 1, 2]))
     tokens, mask = pad_sequences(seqs, max_len=5)
     assert tokens.shape == (3, 5) and not mask[:, 3:].any()
+
+
+def test_pad_sequences_gives_the_same_batch_for_lists_tensors_and_arrays():
+    """Lists and tuples of ints take a path of their own (one tensor call for the batch); every
+    other kind of sequence is converted one at a time. Both must give the same batch."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 9, (40,), generator=g).tolist()
+    seqs = [torch.randint(-5, 2**40, (n,), generator=g).tolist() for n in lengths]
+    seqs[3] = [2**63 - 1, -(2**63)]  # int64's ends
+    for kwargs in ({}, {"pad": -100}, {"pad_to": 12}, {"max_len": 9}, {"pad": 2**63 - 1}):
+        tokens, mask = pad_sequences(seqs, **kwargs)
+        for other in ([tuple(s) for s in seqs], [torch.tensor(s) for s in seqs],
+                      [np.array(s) for s in seqs], [*seqs[:-1], torch.tensor(seqs[-1])]):
+            t2, m2 = pad_sequences(other, **kwargs)
+            assert torch.equal(tokens, t2) and torch.equal(mask, m2), kwargs
+        assert tokens.dtype == torch.long
+        assert tokens[mask].tolist() == [x for s in seqs for x in s]
+    with pytest.raises(InputTypeError, match="integer token ids"):
+        pad_sequences([[1, 2], [2**63]])  # too large for int64
+    with pytest.raises(InputTypeError, match="integer token ids, got a bool"):
+        pad_sequences([[1, 2], [3, True]])  # a bool among ints, not the id 1
+    with pytest.raises(InputTypeError, match="integer token ids"):
+        pad_sequences([(1, 2), (3, 4.0)])
 
 
 def test_pad_sequences_rejects_bad_input():

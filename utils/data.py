@@ -71,6 +71,10 @@ def _as_ids(name: str, seq: object) -> torch.Tensor:
                              f"{type_name(seq)}")
     if len(seq) == 0:  # torch.as_tensor([]) would be float32; emptiness is checked later
         return torch.zeros(0, dtype=torch.long)
+    if isinstance(seq, (list, tuple)) and any(isinstance(x, bool) for x in seq):
+        # torch.as_tensor([3, True]) is int64, [3, 1]: a bool among ints would pass as an id.
+        raise InputTypeError(f"{name} must be a 1-dim sequence of integer token ids, got a bool "
+                             f"in {seq!r}")
     try:
         t = torch.as_tensor(seq)
     except (TypeError, ValueError, RuntimeError):
@@ -192,7 +196,8 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
     if isinstance(pad, bool) or not isinstance(pad, numbers.Integral):
         raise InputTypeError(f"pad must be an int, got {pad!r} ({type(pad).__name__})")
     pad_to = require_int("pad_to", pad_to, minimum=0)
-    rows = [_as_ids(f"seqs[{i}]", s) for i, s in enumerate(seqs)]
+    lists = _int_lists(seqs)
+    rows = lists if lists is not None else [_as_ids(f"seqs[{i}]", s) for i, s in enumerate(seqs)]
     lengths = [len(r) for r in rows]
     if min(lengths) == 0:
         raise ValueError(f"every sequence must be non-empty, got lengths {lengths}")
@@ -201,11 +206,31 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
         max_len = max(longest, pad_to)
     elif require_int("max_len", max_len) < longest:
         raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
-    tokens = torch.full((len(rows), max_len), int(pad), dtype=torch.long)
-    for row, r in enumerate(rows):
-        tokens[row, : len(r)] = r
+    if lists is not None and _INT64_MIN <= int(pad) <= _INT64_MAX:
+        # One call for the whole batch: a row at a time costs two tensor operations a sequence.
+        tokens = torch.tensor([[*r, *(pad,) * (max_len - len(r))] for r in lists],
+                              dtype=torch.long)
+    else:
+        tokens = torch.full((len(rows), max_len), int(pad), dtype=torch.long)
+        for row, r in enumerate(rows):
+            tokens[row, : len(r)] = r
     mask = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
     return tokens, mask
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int_lists(seqs: Sequence) -> list | None:
+    """``seqs`` as a list when every sequence is a list or tuple of Python ints (not bools) that
+    fit int64: what the tasks' batches are made of, thousands of times a chapter. None
+    otherwise (tensors, arrays, anything to check and convert one sequence at a time)."""
+    for s in seqs:
+        if type(s) not in (list, tuple) or not all(type(x) is int for x in s):
+            return None
+        if s and (min(s) < _INT64_MIN or max(s) > _INT64_MAX):
+            return None
+    return list(seqs)
 
 
 @dataclass
