@@ -90,6 +90,37 @@ def test_fused_attention_fully_masked_rows_and_degenerate_sizes():
                                scaled_dot_product_attention(q, kb, vb)[0])
 
 
+@pytest.mark.parametrize("mask_kind", ["causal", "padding", "random", "empty_rows"])
+def test_fused_attention_is_bit_for_bit_the_open_and_zero_formula(mask_kind):
+    """Where every query sees a key, `fused_attention` skips opening the empty rows and zeroing
+    their outputs (three operations fewer). Skipping them must change no bit of the output or
+    of any gradient, since the stored outputs of every chapter that trains depend on them."""
+    g = torch.Generator().manual_seed(3)
+    b, h, l_q, l_k, d = 6, 4, 7, 7, 8
+    mask = _mask(mask_kind, b, l_q, l_k, g)
+    mask = mask[:, None, None, :] if mask_kind == "padding" else mask
+    if mask_kind == "empty_rows":
+        mask = mask[:, None]
+    if mask_kind == "random":
+        mask[..., 0] = True  # every query sees a key
+    w_o = torch.randn(h * d, 5, generator=g)
+    grads = []
+    for formula in (True, False):
+        q, k, v = (torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(i),
+                               requires_grad=True) for i, n in enumerate((l_q, l_k, l_k)))
+        if formula:
+            has_key = mask.any(dim=-1, keepdim=True)
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask | ~has_key) * has_key
+        else:
+            out = fused_attention(q, k, v, mask)
+        # as a module uses it: heads merged, then a projection
+        (out.transpose(1, 2).reshape(b, l_q, h * d) @ w_o).square().sum().backward()
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+    for ours, formula in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(ours, formula)
+
+
 def test_fused_attention_errors_are_the_plain_ones():
     q, k, v = torch.randn(2, 4, 3), torch.randn(2, 5, 3), torch.randn(2, 5, 6)
     for args, kwargs in [((q, k[..., :2], v), {}), ((q, k, v[:, :4]), {}),

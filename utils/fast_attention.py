@@ -76,6 +76,13 @@ def fused_attention(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     has_key = mask.any(dim=-1, keepdim=True)  # (..., L_q, 1)
+    if mask.device.type == "cpu" and has_key.all():
+        # Every query sees a key (a causal mask always does): nothing to open or zero, and three
+        # operations fewer, forward and backward (about 7% of a training step of chapter 9's
+        # model). The mask goes in as the line below would give it (contiguous), so the kernel
+        # and the bits are the same. Not on a GPU, where reading has_key.all() would wait for it.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.contiguous(),
+                                              dropout_p=dropout_p)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
     return out * has_key
 
