@@ -444,8 +444,8 @@ def test_bad_code_never_raises(bad, capsys):
 
 
 def test_a_module_that_hangs_fails_in_a_notebook_too():
-    import utils.checks.core as core
-    result = core.run_in_process(FFN_CHECKER, Hangs, verbose=False, timeout=0.2)
+    from utils.checks.checker import run_in_process
+    result = run_in_process(FFN_CHECKER, Hangs, verbose=False, timeout=0.2)
     assert result.score == 0 and all("did not finish" in h for h in result.hints)
 
 

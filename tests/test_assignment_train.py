@@ -19,7 +19,7 @@ from utils.checks.a8_judges import M, partial_fraction, simulate_greedy
 from utils.checks.a8_train import CHECKER
 from utils.checks.checker import PartialHint
 from utils.checks.core import guarded_exercise
-from utils.checks.training_runner import ScriptedModel, Submission
+from utils.checks.training_task import ScriptedModel, Submission
 
 NOTEBOOK = ROOT / "book" / "assignments" / "a8_train.ipynb"
 

@@ -4,8 +4,9 @@ One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_a
 `a3_masks` with `a3_mask_tests`, `a4_positional_layer_norm`, `a5_feed_forward`,
 `a6_encoder_layer`, `a7_decoder_layer`, `a8_train` with `a8_judges`), on a small shared core:
 
-* `core`: cases and the student side (`exercise`, `run_in_process`);
-* `checker` (with `compare`): the trusted side, a reference and its mistakes (`Checker.judge`);
+* `core`: the student side (`Spec`, `exercise`);
+* `checker` (with `compare`): the trusted side, a reference, its mistakes and its cases
+  (`Checker.judge`, `Case`), and `run_in_process`, which runs both sides in a notebook;
 * `results`: what a check returns and prints (`CheckResult`);
 * `guard`: what each assignment forbids and how the grader notices it;
 * `sandbox` (with `child`, `zygote`, `protocol`, `kernel`, `poison` and `runners`): a submission

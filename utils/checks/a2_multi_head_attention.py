@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .a1_attention import attend
-from .checker import Checker, Mistake
-from .core import Case, Spec, run_in_process
+from .checker import Case, Checker, Mistake, run_in_process
+from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 

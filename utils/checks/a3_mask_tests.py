@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .checker import Checker, Mistake
-from .core import Case, Run, Spec, run_in_process
+from .checker import Case, Checker, Mistake, run_in_process
+from .core import Run, Spec
 from .results import CheckResult
 from .runners import ERROR_BYTES, MASK_TEST_KIND
 

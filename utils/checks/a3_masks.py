@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from .a3_mask_tests import BATCH_TEST, CAUSAL_TEST
-from .checker import Checker, Mistake
+from .checker import Case, Checker, Mistake, run_in_process
 from .compare import shape_str
-from .core import Case, Spec, run_in_process
+from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 

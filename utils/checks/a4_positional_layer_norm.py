@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .checker import Checker, Mistake
-from .core import Case, Spec, run_in_process
+from .checker import Case, Checker, Mistake, run_in_process
+from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checker import Checker, Mistake
+from .checker import Case, Checker, Mistake, run_in_process
 from .compare import allclose
-from .core import Case, Spec, run_in_process
+from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 from .runners import A5_KIND as KIND

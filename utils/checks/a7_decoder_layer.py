@@ -25,8 +25,8 @@ import torch
 
 from . import sublayers as parts
 from .a3_masks import Reference, length_case
-from .checker import Checker, Mistake, combined
-from .core import Case, Spec, run_in_process
+from .checker import Case, Checker, Mistake, combined, run_in_process
+from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 from .runners import CAUSALITY_KIND, MASK_KIND

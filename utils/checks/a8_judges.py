@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from ..data import BOS, EOS, PAD
 from .checker import PartialHint
 from .core import Spec
-from .training_runner import VOCAB, _after_eos_to_pad, _as_mask, scripted_next
+from .training_runner import _after_eos_to_pad
+from .training_task import VOCAB, _as_mask, scripted_next
 
 __all__ = ["M", "JUDGES", "PASS_ACCURACY", "ZERO_ACCURACY", "exact_match", "partial_fraction",
            "simulate_greedy"]

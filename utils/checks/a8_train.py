@@ -35,12 +35,12 @@ import torch
 from ..data import BOS, EOS, PAD
 from ..tasks import ReversalTask
 from .a8_judges import JUDGES, PASS_ACCURACY, M
-from .checker import Checker, Mistake
-from .core import Case, Run, Spec, run_in_process
+from .checker import Case, Checker, Mistake, run_in_process
+from .core import Run, Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
 from .training_runner import A8_KIND as KIND
-from .training_runner import TASK_ARGS, VOCAB, Submission
+from .training_task import TASK_ARGS, VOCAB, Submission
 
 __all__ = ["check_training", "CHECKER", "ASSIGNMENT", "TASK_ARGS", "STEPS"]
 

@@ -12,7 +12,7 @@ runs it in its own process, never in the student's.
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +35,36 @@ from .compare import (
     shape_str,
     status_hint,
 )
-from .core import Case, Run, Spec
-from .results import CaseResult
+from .core import Run, Spec, _exception_text, guarded_exercise
+from .results import CaseResult, CheckResult
 
-__all__ = ["Mistake", "PartialHint", "TrustedReference", "Checker", "combined"]
+__all__ = ["Case", "Mistake", "PartialHint", "TrustedReference", "Checker", "combined",
+           "run_in_process"]
+
+CASE_TIMEOUT_S = 10.0  # in a notebook: a case that runs longer is stopped and fails
+
+
+@dataclass
+class Case:
+    """One case of a checker: an id (a CSV column), a name (printed), points, and its input.
+
+    ``make(gen)`` draws the case's random values from ``gen`` and returns its `Spec`. ``time_s``
+    raises the case's time limit (wall-clock in a notebook, CPU seconds in the grader) above the
+    default (for a case that trains a model); the grader's limit for the whole notebook still
+    applies.
+    """
+
+    id: str
+    name: str
+    make: Callable[[torch.Generator], Spec]
+    points: float = 1.0
+    time_s: float | None = None  # a longer time limit than the default (a case that trains)
+
+    def time_limit(self, default: float | None) -> float | None:
+        """The time limit of this case: ``default``, or ``time_s`` when that is longer."""
+        if default is None or self.time_s is None:
+            return default
+        return max(default, self.time_s)
 
 
 @dataclass
@@ -259,3 +285,24 @@ class Checker(TrustedReference):
                  ref: dict[str, torch.Tensor], name: str) -> str:
         """Where the student's computation first leaves the reference."""
         return first_divergence(tensors, ref) or "compare your code with the formula step by step"
+
+
+def run_in_process(checker: Checker, obj: Any, verbose: bool = True,
+                   timeout: float | None = CASE_TIMEOUT_S) -> CheckResult:
+    """Run every case of ``checker`` on ``obj`` here, print one line per case, return the result.
+
+    This is what the notebooks call: quick, and no protection against the code it checks (the
+    grader runs the same cases in a sandbox).
+    """
+    result = CheckResult(checker.name)
+    for case, spec in zip(checker.cases, checker.specs(), strict=True):
+        raw = guarded_exercise(obj, spec, case.time_limit(timeout))
+        try:
+            hint = checker.judge(spec, raw)
+        except Exception as exc:  # the judge must never take the notebook down
+            hint = f"the result could not be compared ({_exception_text(exc)})"
+        result.cases.append(checker.result(case, hint, "timeout" if raw["status"] == "timeout"
+                                           else ""))
+    if verbose:  # printed at once, so that a notebook stores it as one output
+        print("\n".join([c.printed() for c in result.cases] + [result.summary()]))
+    return result

@@ -1,7 +1,7 @@
-"""The shared core of the checkers (every assignment): cases, and running student code on them.
+"""The shared core of the checkers (every assignment): running student code on a case.
 
-A checker is a list of `Case` objects and a trusted reference. Running a case has two halves that
-never need to live in the same process:
+A checker is a list of cases (`checker.Case`) and a trusted reference. Running a case has two
+halves that never need to live in the same process:
 
 * `exercise` (the *student side*, this module) builds the student's module or calls the
   student's function on the inputs of a `Spec`, runs a backward pass, and returns raw tensors
@@ -12,10 +12,10 @@ never need to live in the same process:
   when the raw output matches a known wrong variant, and otherwise says where the student's
   computation first leaves the reference.
 
-In a notebook both halves run in the student's process (`run_in_process`), for instant feedback,
-and give `results.CheckResult`. The grader runs the student side in a sandboxed child process
-and the trusted side in its own process (`utils.checks.sandbox`): this module, `results` and
-`runners` are all the child holds of the checkers.
+In a notebook both halves run in the student's process (`checker.run_in_process`), for instant
+feedback, and give `results.CheckResult`. The grader runs the student side in a sandboxed child
+process and the trusted side in its own process (`utils.checks.sandbox`): this module, `results`
+and `runners` are all the child holds of the checkers.
 """
 
 from __future__ import annotations
@@ -26,31 +26,23 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import set_deterministic_algorithms
-from .results import CheckResult
-
-if TYPE_CHECKING:
-    from .checker import Checker
 
 __all__ = [
     "Run",
-    "Case",
     "Spec",
     "build_module",
     "exercise",
     "guarded_exercise",
     "register_runner",
-    "run_in_process",
     "student_code",
 ]
-
-CASE_TIMEOUT_S = 10.0  # in a notebook: a case that runs longer is stopped and fails
 
 Runner = Callable[[Any, "Spec", dict[str, torch.Tensor]], Any]
 RUNNERS: dict[str, Runner] = {}
@@ -384,51 +376,3 @@ def guarded_exercise(obj: Any, spec: Spec, timeout: float | None = None) -> dict
 
 def _raise_timeout(signum: int, frame: Any) -> None:
     raise CaseTimeout()
-
-
-# --------------------------------------------------------------------------------------------
-# A case, and every case of a checker run in the notebook's own process
-
-
-@dataclass
-class Case:
-    """One case of a checker: an id (a CSV column), a name (printed), points, and its input.
-
-    ``make(gen)`` draws the case's random values from ``gen`` and returns its `Spec`. ``time_s``
-    raises the case's time limit (wall-clock in a notebook, CPU seconds in the grader) above the
-    default (for a case that trains a model); the grader's limit for the whole notebook still
-    applies.
-    """
-
-    id: str
-    name: str
-    make: Callable[[torch.Generator], Spec]
-    points: float = 1.0
-    time_s: float | None = None  # a longer time limit than the default (a case that trains)
-
-    def time_limit(self, default: float | None) -> float | None:
-        """The time limit of this case: ``default``, or ``time_s`` when that is longer."""
-        if default is None or self.time_s is None:
-            return default
-        return max(default, self.time_s)
-
-
-def run_in_process(checker: Checker, obj: Any, verbose: bool = True,
-                   timeout: float | None = CASE_TIMEOUT_S) -> CheckResult:
-    """Run every case of ``checker`` on ``obj`` here, print one line per case, return the result.
-
-    This is what the notebooks call: quick, and no protection against the code it checks (the
-    grader runs the same cases in a sandbox).
-    """
-    result = CheckResult(checker.name)
-    for case, spec in zip(checker.cases, checker.specs(), strict=True):
-        raw = guarded_exercise(obj, spec, case.time_limit(timeout))
-        try:
-            hint = checker.judge(spec, raw)
-        except Exception as exc:  # the judge must never take the notebook down
-            hint = f"the result could not be compared ({_exception_text(exc)})"
-        result.cases.append(checker.result(case, hint, "timeout" if raw["status"] == "timeout"
-                                           else ""))
-    if verbose:  # printed at once, so that a notebook stores it as one output
-        print("\n".join([c.printed() for c in result.cases] + [result.summary()]))
-    return result

@@ -1,7 +1,8 @@
 """The student side of the kinds of case that need more than a call: what the grader's child holds.
 
-The grader's sandboxed child imports this module (with `training_runner`), `core` and nothing
-else of `utils.checks`: no checker's reference, no planted implementation, no expected value.
+The grader's sandboxed child imports this module (with `training_runner` and its
+`training_task`), `core` and nothing else of the checkers: no checker's reference, no planted
+implementation, no expected value.
 Each runner does what its kind of case needs with the student's object and returns raw tensors,
 which the trusted side judges:
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checker import Checker
-from .core import Case, Spec
+from .checker import Case, Checker
+from .core import Spec
 from .guard import Assignment, Rule, static_scan
 from .limits import Limits
 from .messages import clean_flag
