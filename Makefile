@@ -119,9 +119,10 @@ lab: venv
 serve: book
 	$(PY) -m http.server $(PORT) --bind 127.0.0.1 --directory _build/html
 
-# Re-execute notebooks in place (all of them, or NB=book/01_attention.ipynb) and print their times.
+# Re-execute notebooks in place (all of them, or NB=book/01_attention.ipynb) and print their times,
+# with one thread as the tests run them, so that the stored digits are the ones nbval reproduces.
 execute: venv
-	$(PY) tests/execute_notebooks.py $(or $(NB),book)
+	$(NBVAL_ENV) $(PY) tests/execute_notebooks.py $(or $(NB),book)
 
 # Chapter 9's model trained data-parallel by NPROC processes on the CPU (or one GPU each), with
 # PyTorch's DistributedDataParallel; the same script runs across machines (see its docstring).

@@ -51,6 +51,9 @@ SLOWEST_NOTEBOOKS = (
     "a8_train",
     "08_encoder", "05_positional_encoding", "06_feed_forward",
 )
+# Test modules that train a chapter's model (tens of seconds): queued with the slowest
+# notebooks' group, so that no worker is left with one at the end.
+SLOW_TEST_MODULES = ("tests/test_reversal_seeds.py",)
 
 
 def pytest_addoption(parser):
@@ -207,10 +210,12 @@ def pytest_unconfigure(config):
 
 
 def _rank(item: pytest.Item) -> tuple[int, int]:
-    """Where an item's group goes in the queue: the book, the notebooks (slowest first), the
-    test modules."""
+    """Where an item's group goes in the queue: the book, the slow test modules and the
+    notebooks (slowest first), the other test modules."""
     if _module(item.nodeid) in BOOK_TEST_MODULES:
         return (0, 0)
+    if _module(item.nodeid) in SLOW_TEST_MODULES:
+        return (1, 0)
     path = Path(str(item.path))
     if path.suffix == ".ipynb":
         known = SLOWEST_NOTEBOOKS

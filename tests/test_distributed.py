@@ -346,3 +346,29 @@ def _ring_disagrees(rank: int, world_size: int) -> None:
 def test_ring_attention_ranks_must_agree_on_the_shapes():
     with pytest.raises(RankError, match=r"must share \(B, H, d_k, d_v\)"):
         run_on_ranks(_ring_disagrees, 2)
+
+
+def _ring_with_grad(rank: int, world_size: int, which: str) -> bool:
+    q, k, v, _, _ = _ring_case(4, True)
+    rows = slice(2 * rank, 2 * rank + 2)
+    parts = {name: t[:, :, rows].clone() for name, t in zip("qkv", (q, k, v), strict=True)}
+    parts[which].requires_grad_(True)
+    try:
+        ring_attention(parts["q"], parts["k"], parts["v"], True)
+    except ValueError as error:  # refused in every rank, before any message is sent
+        assert "forward only" in str(error) and "torch.no_grad()" in str(error)
+    else:
+        return False
+    with torch.no_grad():  # the same inputs without autograd: accepted
+        out = ring_attention(parts["q"], parts["k"], parts["v"], True)
+    return not out.requires_grad
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_ring_attention_refuses_inputs_that_need_gradients(which):
+    # Its sends carry no gradient: autograd through it would give wrong dk and dv (the other
+    # ranks' queries never reach this rank's keys in the backward pass), so it refuses.
+    assert run_on_ranks(_ring_with_grad, 2, which) == [True, True]
+    q, k, v, _, _ = _ring_case(4, False)
+    with pytest.raises(ValueError, match="ring_attention is forward only"):
+        ring_attention(q, k.requires_grad_(True), v)  # one process, no group: refused too

@@ -11,7 +11,11 @@ cell's outputs. These tests check that
 - the book pastes at least 40 measured numbers;
 - no chapter types by hand a number that its own outputs printed: a decimal, a percentage or a
   number of three or more digits in the prose that appears among the notebook's printed outputs
-  and nowhere in its code (where it would be a setting, such as `steps=300`, not a result).
+  and nowhere in its code (where it would be a setting, such as `steps=300`, not a result);
+- no pasted number reads wrongly once formatted: a glued value that is not zero never prints as
+  zero ("a test error of 0.0", then "ten times that"), and the two ends of a pasted range never
+  print the same ("lowest seed 78%, highest 78%" for 0.776 and 0.782): the format keeps too few
+  digits for the sentence to say what the cell measured.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from myst_nb.core.variables import format_plain_text
 from notebooks import BOOK
 
 CHAPTERS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
@@ -33,6 +38,14 @@ MIN_GLUED = 40
 ROLE = re.compile(r"\{glue(?::(?:any|text|md)?)?\}`([^`]+)`")
 # ```{glue:figure} key  /  :::{glue} key  (directive forms)
 DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{glue(?::\w*)?\}\s+(\S+)", re.MULTILINE)
+# One paste with where it sits: {glue:text}`key:fmt` (the format is optional)
+PASTE = re.compile(r"\{glue(?P<kind>:(?:any|text|md)?)?\}`(?P<body>[^`]+)`")
+# What joins the two ends of a range: "X to Y", "X-Y", "X–Y", "between X and Y", "from X through
+# Y", "lowest X, highest Y" (markup and punctuation around them aside)
+RANGE_GAP = re.compile(
+    r"^[\s*_,;:()%]*(?:to|and|through|up to|-|–|—|\.\.|,?\s*(?:the\s+)?highest(?:\s+\w+)?)"
+    r"[\s*_,;:()]*$"
+)
 NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+)(%?)(?![\w])")
 
 
@@ -182,3 +195,102 @@ def test_no_measured_number_is_typed_by_hand(path):
     assert not typed, (
         f"the prose types numbers that the outputs printed; glue them instead: {sorted(typed)}"
     )
+
+
+def _pastes(text: str) -> list[tuple[str, str, int, int]]:
+    """Each paste of a glued value in ``text``: (key, format spec, start, end), in order."""
+    found = []
+    for match in PASTE.finditer(text):
+        body = match.group("body")
+        if "::" in body:  # pasted from another notebook
+            continue
+        key, fmt = body, ""
+        if match.group("kind") in (":text", ":md") or re.search(r":[^:]*[bcdoxXeEfFgGn%s]$", body):
+            key, _, fmt = body.rpartition(":") if ":" in body else ("", "", "")
+            if not key:
+                key, fmt = body, "s"
+        found.append((key, fmt, match.start(), match.end()))
+    return found
+
+
+def _rendered(output: dict, fmt: str) -> str:
+    """The text the book shows for a glued output pasted with the format ``fmt``."""
+    return format_plain_text(output["data"][GLUE_PREFIX + "text/plain"], fmt)
+
+
+def _as_number(text: str) -> Decimal | None:
+    try:
+        return Decimal(text.strip().rstrip("%").replace(",", ""))
+    except ArithmeticError:
+        return None
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=IDS)
+def test_no_pasted_number_reads_as_zero_or_as_an_empty_range(path):
+    glued = _glued(path)
+    zeros, empty_ranges = [], []
+    for cell in _cells(path):
+        if cell["cell_type"] != "markdown":
+            continue
+        text = _source(cell)
+        pastes = [p for p in _pastes(text) if p[0] in glued]
+        for key, fmt, _, _ in pastes:
+            shown = _rendered(glued[key], fmt)
+            raw = glued[key]["data"][GLUE_PREFIX + "text/plain"]
+            number = _as_number(shown)
+            is_float = re.fullmatch(r"-?\d+(?:\.\d*)?(?:e-?\d+)?", raw) and not raw.isdigit()
+            if is_float and number is not None and number == 0:
+                zeros.append(f"{key} = {raw} shows as {shown!r}")
+        for (k1, f1, _, end), (k2, f2, start, _) in zip(pastes, pastes[1:], strict=False):
+            if not RANGE_GAP.match(text[end:start]):
+                continue
+            low, high = _rendered(glued[k1], f1), _rendered(glued[k2], f2)
+            if _as_number(low) is not None and low == high:
+                empty_ranges.append(f"{k1} and {k2} both show as {low!r}: {text[end:start]!r}")
+    assert not zeros, (
+        "glued floats that read as zero: paste them with more digits (or glue the int 0 where "
+        f"a count is truly none): {zeros}"
+    )
+    assert not empty_ranges, (
+        f"a pasted range whose ends read the same: paste them with more digits: {empty_ranges}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("markdown", "values", "problem"),
+    [
+        ("an error of {glue:text}`e:.1f`, ten times lower", {"e": 0.04}, "zero"),
+        ("an error of {glue:text}`e:.2f`, ten times lower", {"e": 0.04}, None),
+        ("an error of {glue:text}`e:.1f`", {"e": 0.0}, "zero"),
+        ("{glue:text}`n` rows differ", {"n": 0}, None),
+        ("from {glue:text}`lo:.0%` to {glue:text}`hi:.0%`", {"lo": 0.776, "hi": 0.782}, "range"),
+        ("lowest seed {glue:text}`lo:.0%`, highest {glue:text}`hi:.0%`",
+         {"lo": 0.776, "hi": 0.782}, "range"),
+        ("**{glue:text}`lo:.0%`**–**{glue:text}`hi:.0%`**", {"lo": 0.776, "hi": 0.782}, "range"),
+        ("from {glue:text}`lo:.1%` to {glue:text}`hi:.1%`", {"lo": 0.776, "hi": 0.782}, None),
+        ("{glue:text}`lo:.0%` of heads and {glue:text}`hi:.0%` of layers, seen",
+         {"lo": 0.5, "hi": 0.3}, None),
+        ("{glue:text}`n` layers, then {glue:text}`m` heads", {"n": 2, "m": 2}, None),
+    ],
+)
+def test_the_pasted_number_check_catches_what_reads_wrongly(tmp_path, markdown, values, problem):
+    """The check above, on made-up chapters: it fails exactly where a sentence reads wrongly."""
+    from utils.glue import glue_bundle
+
+    outputs = []
+    for key, value in values.items():
+        data, metadata = glue_bundle(key, value)
+        outputs.append({"output_type": "display_data", "data": data, "metadata": metadata})
+    notebook = {
+        "cells": [
+            {"cell_type": "code", "source": "", "outputs": outputs, "metadata": {}},
+            {"cell_type": "markdown", "source": markdown, "metadata": {}},
+        ]
+    }
+    path = tmp_path / "99_made_up.ipynb"
+    path.write_text(json.dumps(notebook), encoding="utf-8")
+    if problem is None:
+        test_no_pasted_number_reads_as_zero_or_as_an_empty_range(path)
+    else:
+        with pytest.raises(AssertionError, match=problem):
+            test_no_pasted_number_reads_as_zero_or_as_an_empty_range(path)

@@ -2,24 +2,32 @@
 
 The same 20 steps run twice, at the same time: under ``torchrun --nproc-per-node 2`` (gloo,
 DistributedDataParallel, each rank on half of every batch) and as one plain ``python`` process
-on the whole batches. Both save their final weights, which must agree to 1e-5, and print the
-same losses. The three key biases are compared through the model's outputs instead: their true
-gradient is exactly zero (adding one number to every score of a query leaves its softmax
-unchanged), so what Adam feeds them is float rounding, normalised to full-size steps, and they
-wander differently in any two runs whose sums are ordered differently; the outputs they cannot
-change are what must agree.
+on the whole batches. Both save their final weights, which must agree to 1e-5, every one of
+them, and print the same losses. The three key biases are part of the comparison: the script
+does not train them (their true gradient is exactly zero, since adding one number to every
+score of a query leaves its softmax unchanged, so Adam would only turn float rounding into
+steps), and both runs must hold them at their initial values. ``--steps 20 --batch 8`` is a
+schedule of its own (warm-up and decay over 20 steps, batches of 8), not the first 20 steps of
+the script's default run; at the default schedule the two runs part after about 50 steps, as
+the script's docstring records with the commands that show it.
+
+`choose_device` is tested alone with GPU counts made up, on the CPU: two processes and one GPU
+(or none) fall back to the CPU and gloo, and say so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from utils import seed_everything
 from utils.models import Seq2SeqTransformer
 from utils.tasks import ReversalTask
 
@@ -52,14 +60,20 @@ def _losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", output)]
 
 
-def _outputs(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The logits of the saved model on a fixed batch of the task."""
-    task = ReversalTask(min_len=3, max_len=12, num_symbols=10)
-    v = len(task.vocab)
-    model = Seq2SeqTransformer(
+def _model() -> Seq2SeqTransformer:
+    """The script's model, as it starts at seed 0."""
+    v = len(ReversalTask(min_len=3, max_len=12, num_symbols=10).vocab)
+    seed_everything(0)
+    return Seq2SeqTransformer(
         v, v, d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
         dim_feedforward=128, norm_first=True, share_embeddings=True,
     )  # fmt: skip
+
+
+def _outputs(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of the saved model on a fixed batch of the task."""
+    task = ReversalTask(min_len=3, max_len=12, num_symbols=10)
+    model = _model()
     model.load_state_dict(state)
     model.eval()
     b = task.collate(task.sample(16, seed=5))
@@ -84,7 +98,62 @@ def test_torchrun_with_two_ranks_trains_what_one_process_trains(tmp_path):
     assert two_state.keys() == one_state.keys()
     key_biases = [k for k in one_state if k.endswith("w_k.bias")]
     assert len(key_biases) == 3  # encoder self-, decoder self- and cross-attention
-    for name, value in one_state.items():
-        if name not in key_biases:
-            torch.testing.assert_close(two_state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    initial = _model().state_dict()
+    for name, value in one_state.items():  # every weight, the key biases included
+        torch.testing.assert_close(two_state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        if name in key_biases:  # not trained: still the initial values, in both runs
+            assert torch.equal(value, initial[name]) and torch.equal(two_state[name], value)
+        elif name in initial and initial[name].dtype.is_floating_point:
+            assert not torch.equal(value, initial[name]), name  # trained
     torch.testing.assert_close(_outputs(two_state), _outputs(one_state), rtol=1e-5, atol=1e-5)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_distributed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world_size", "cuda_count", "backend", "device", "chosen", "note"),
+    [
+        (1, 2, 0, None, "cpu", "gloo", None),  # no GPU: the CPU, as on this machine
+        (1, 2, 1, None, "cpu", "gloo", "2 processes but 1 GPU"),  # was cuda:1, a crash
+        (1, 2, 1, "gloo", "cpu", "gloo", "2 processes but 1 GPU"),  # and with gloo too
+        (0, 1, 1, None, "cuda:0", "nccl", None),  # plain python on a GPU machine
+        (1, 2, 2, None, "cuda:1", "nccl", None),  # one GPU per process
+        (3, 4, 8, "gloo", "cuda:3", "gloo", None),
+    ],
+)
+def test_choose_device_gives_each_process_a_gpu_or_falls_back_to_the_cpu(
+    local_rank, local_world_size, cuda_count, backend, device, chosen, note
+):
+    got = _script().choose_device(local_rank, local_world_size, cuda_count, backend)
+    assert got[:2] == (device, chosen)
+    assert (got[2] is None) if note is None else (note in got[2] and "CPU" in got[2])
+
+
+@pytest.mark.parametrize(("local_world_size", "cuda_count"), [(2, 1), (1, 0)])
+def test_choose_device_refuses_nccl_without_a_gpu_per_process(local_world_size, cuda_count):
+    with pytest.raises(ValueError, match="--backend nccl needs one GPU per process"):
+        _script().choose_device(0, local_world_size, cuda_count, "nccl")
+
+
+def test_setup_reads_torchruns_variables_and_falls_back_on_one_gpu(monkeypatch):
+    script = _script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # no process group is started
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rank, world_size, device, backend, note = script.setup(None)
+    assert (rank, world_size, device.type, backend) == (0, 1, "cpu", "gloo")
+    assert "every process computes on the CPU with gloo" in note
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert script.setup(None)[2:] == (torch.device("cpu"), "gloo", None)
+    with pytest.raises(SystemExit, match="needs one GPU per process"):
+        script.setup("nccl")

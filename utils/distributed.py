@@ -3,8 +3,8 @@
 `run_on_ranks` runs one function in P processes (ranks) of one gloo process group, and fails
 fast with the failing rank's traceback; `TensorParallelMultiHeadAttention` splits the heads of
 a `MultiHeadAttention` over the ranks (tensor parallelism); `ring_attention` passes key/value
-chunks around a ring of ranks into chapter 13's online softmax (sequence parallelism). Nothing
-here starts a process or a process group when the module is imported.
+chunks around a ring of ranks into chapter 13's online softmax (sequence parallelism), forward
+only. Importing the module starts no process and no process group.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _free_port() -> int:
 
 def _start_method() -> str:
     """Fork on Linux and macOS (a notebook's functions can run in the ranks), else spawn."""
-    has_fork = hasattr(os, "fork") and sys.platform in ("linux", "darwin")
-    return "fork" if has_fork else "spawn"
+    return "fork" if hasattr(os, "fork") and sys.platform in ("linux", "darwin") else "spawn"
 
 
 def _rank_main(job: tuple, rank: int, conn: Connection) -> None:
@@ -395,14 +394,12 @@ def _chunk_mask(
         j = torch.arange(cols.start, cols.stop, device=device)
         mask = (j[None, :] <= i[:, None])[None, None]
     if padding is not None:
-        pad = padding[:, None, None, :]
-        mask = pad if mask is None else mask & pad
+        mask = padding[:, None, None, :] if mask is None else mask & padding[:, None, None, :]
     return mask
 
 
 def _ring_layout(q: Tensor, k: Tensor, v: Tensor, group: Group, size: int) -> Tensor:
-    """Every rank's (L_q, L_k, B, H, d_k, d_v), (P, 6), gathered once; raises a ValueError (on
-    every rank alike) when the ranks disagree on B, H, d_k or d_v."""
+    """Every rank's (L_q, L_k, B, H, d_k, d_v), (P, 6); a ValueError if B, H, d_k, d_v differ."""
     mine = torch.tensor([q.shape[2], k.shape[2], *q.shape[:2], q.shape[3], v.shape[3]])
     if size == 1:
         return mine[None]
@@ -444,18 +441,22 @@ def ring_attention(
     Returns:
         This rank's rows of ``scaled_dot_product_attention(q_full, k_full, v_full, mask)[0]``,
         (B, H, L_q, d_v), where the mask is causal and/or the key padding. A query with no
-        allowed key gets zeros, never NaN. Forward only: the sends are not differentiable.
+        allowed key gets zeros, never NaN.
 
     Raises:
-        InputTypeError, ValueError: for shapes, dtypes or a padding that do not fit (or ranks
-            that disagree on B, H, d_k, d_v).
+        InputTypeError, ValueError: for shapes, dtypes or a padding that do not fit, ranks that
+            disagree on B, H, d_k, d_v, or (forward only: the chunks sent around the ring carry
+            no gradient, so autograd's would be wrong) q, k or v requiring grad.
     """
     _check_ring_inputs(q, k, v, key_padding)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(
+            "ring_attention is forward only (its sends carry no gradient): use torch.no_grad()"
+        )
     require_bool("causal", causal)
     rank, size = _group_rank_size(group)
     layout = _ring_layout(q, k, v, group, size)
-    q_starts = torch.cumsum(layout[:, 0], 0) - layout[:, 0]
-    k_starts = torch.cumsum(layout[:, 1], 0) - layout[:, 1]
+    q_starts, k_starts = (torch.cumsum(layout[:, i], 0) - layout[:, i] for i in (0, 1))
     b, h, l_q, d_k = q.shape
     rows = range(int(q_starts[rank]), int(q_starts[rank]) + l_q)
     parts = [k, v]  # one message per step: keys, values and the padding as a 0/1 column
