@@ -170,6 +170,36 @@ def test_the_tanh_gelu_and_rope_base_matter(checkpoints):
         assert (ours(tokens) - hf(tokens).logits).abs().max() > 1e-3
 
 
+def test_a_slightly_wrong_setting_fails_the_logit_check_with_and_without_cache(checkpoints):
+    """The logits are the test (chapter 14): a RoPE base 1% off or an RMSNorm epsilon ten times
+    too small moves them above the tolerance, through the cache as in one full pass."""
+    directory, hf = checkpoints["llama/grouped-query"]
+    ours = load_llama(directory)
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    for attr, value in (("base", 1.01), ("eps", 0.1)):
+        if attr == "base":
+            modules = [block.attn for block in ours.blocks]
+        else:
+            modules = [m for m in ours.modules() if type(m).__name__ == "RMSNorm"]
+        before = [getattr(m, attr) for m in modules]
+        for m in modules:
+            setattr(m, attr, getattr(m, attr) * value)
+        cache = ours.new_cache()
+        with torch.no_grad():
+            full = ours(tokens)
+            steps = [ours(tokens[:, :4], cache=cache), ours(tokens[:, 4:], cache=cache)]
+            cached = torch.cat(steps, dim=1)
+        assert (full - expected).abs().max() > 1e-4, attr
+        assert (cached - expected).abs().max() > 1e-4, attr
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+        for m, b in zip(modules, before, strict=True):
+            setattr(m, attr, b)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["gpt2/d48-h4-untied", "llama/grouped-query", "llama/multi-query"])
 def test_greedy_generation_equals_transformers_with_and_without_cache(checkpoints, name):
     directory, hf = checkpoints[name]
