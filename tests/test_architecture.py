@@ -26,6 +26,7 @@ LEVELS = {
     "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
     "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
+    "utils.ngram": 1,  # the interpolated n-gram baseline of chapter 15
     # layers and stacks (chapters 8-9), made of pieces
     "utils.transformer_layers": 2, "utils.transformer": 2,
     # models and what uses them: tasks, training, decoding, counts, figures (chapters 9 on)
