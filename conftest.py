@@ -53,7 +53,7 @@ SLOWEST_NOTEBOOKS = (
 )
 # Test modules that train a chapter's model (tens of seconds): queued with the slowest
 # notebooks' group, so that no worker is left with one at the end.
-SLOW_TEST_MODULES = ("tests/test_reversal_seeds.py",)
+SLOW_TEST_MODULES: tuple[str, ...] = ()  # none at present; paths as "tests/test_x.py"
 
 
 def pytest_addoption(parser):

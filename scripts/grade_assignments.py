@@ -43,7 +43,14 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-from utils.checks import ASSIGNMENTS, kernel, sandbox, submissions, zygote_client  # noqa: E402
+from utils.checks import (  # noqa: E402
+    ASSIGNMENTS,
+    kernel,
+    sandbox,
+    sanitize,
+    submissions,
+    zygote_client,
+)
 from utils.checks.limits import Limits  # noqa: E402
 from utils.checks.notebook_reading import (  # noqa: E402
     MAX_NOTEBOOK_BYTES,
@@ -60,6 +67,7 @@ FEEDBACK_BYTES = 64 * 2**10
 FEEDBACK_CUT = "(feedback cut here: it was longer than 64 KiB)"
 NOTE_CHARS = 300
 MAX_NOTES = 20
+GRADER_ERROR = "grader error"
 
 
 def find_submissions(folder: Path,
@@ -126,23 +134,52 @@ def written_answers(notebook: Path, questions: list[dict]) -> list[str | None]:
     """The student's answer to each question (None: missing or left as handed out).
 
     The notebook is read as JSON and never run (a regular file of at most MAX_NOTEBOOK_BYTES,
-    nbformat 3 converted); an answer cell is found by its grade_id, so a student who moved cells
-    around is still graded on the right answers.
+    nbformat 3 converted). An answer cell is found by its grade_id, so a student who moved cells
+    around is still graded on the right answers. Where the ids are gone (cells copied into a
+    fresh notebook keep no metadata), it is found by position: the first Markdown cell that
+    starts with ``**Answer.**`` after the cell that starts like the question (its first line),
+    before the next question.
     """
     try:
-        cells = read_notebook(notebook, MAX_NOTEBOOK_BYTES)["cells"]
-        by_id = {}
-        for cell in cells:
+        cells = [c for c in read_notebook(notebook, MAX_NOTEBOOK_BYTES)["cells"]
+                 if isinstance(c, dict) and c.get("cell_type") == "markdown"]
+        by_id: dict[str, str] = {}
+        texts = [_markdown_source(cell) for cell in cells]
+        for cell, text in zip(cells, texts, strict=True):
             meta = cell.get("metadata", {}).get("nbgrader", {})
-            if isinstance(meta, dict) and cell.get("cell_type") == "markdown":
-                by_id.setdefault(str(meta.get("grade_id")), _answer_text(_markdown_source(cell)))
+            if isinstance(meta, dict) and meta.get("grade_id") is not None:
+                by_id.setdefault(str(meta.get("grade_id")), _answer_text(text))
     except (UnreadableNotebook, OSError, ValueError, KeyError, TypeError, AttributeError):
         return [None] * len(questions)
     answers: list[str | None] = []
     for q in questions:
         text = by_id.get(q["id"])
+        if text is None:
+            text = _answer_by_position(texts, q["question"])
         answers.append(None if not text or text == ANSWER_STUB else text)
     return answers
+
+
+def _first_line(text: str) -> str:
+    return " ".join(text.strip().split("\n", 1)[0].split()) if text.strip() else ""
+
+
+def _answer_by_position(texts: list[str], question: str) -> str | None:
+    """The answer after the Markdown cell that starts like ``question``, or None."""
+    start = _first_line(question)
+    if not start:
+        return None
+    for i, text in enumerate(texts):
+        if _first_line(text) != start:
+            continue
+        for after in texts[i + 1:]:
+            stripped = after.lstrip()
+            if stripped.startswith("**Question"):
+                return None
+            if stripped.startswith("**Answer.**"):
+                return _answer_text(after)
+        return None
+    return None
 
 
 def written_report(name: str, questions: list[dict],
@@ -154,7 +191,8 @@ def written_report(name: str, questions: list[dict],
         lines += [f"## {q['question']} ({_points(q['points'])} points)", "",
                   "**Model answer.** " + q["model"], ""]
         for student, given in answers:
-            lines += [f"### {student}", "", quoted(given[k]) if given[k] else "*(no answer)*", ""]
+            lines += [f"### {sanitize.markdown_line(student)}", "",
+                      quoted(given[k]) if given[k] else "*(no answer)*", ""]
     return "\n".join(lines)
 
 
@@ -162,13 +200,14 @@ MAX_ANSWER = 5000  # characters of one written answer shown; no honest answer co
 
 
 def quoted(answer: str) -> str:
-    """A student's answer as a Markdown block quote, cut at `MAX_ANSWER` characters, with raw
-    HTML escaped: nothing in it can pass for a heading, another student's answer or markup of the
-    report."""
+    """A student's answer as a Markdown block quote, cut at `MAX_ANSWER` characters, every line
+    through `sanitize.markdown_block`: raw HTML escaped, images and links shown as text, control
+    characters shown, and nothing at a line's start that opens a block, so nothing in it can pass
+    for a heading, another student's answer or markup of the report, or fetch anything."""
     text = answer if len(answer) <= MAX_ANSWER else (
         answer[:MAX_ANSWER] + f"\n\n(cut here: the answer was {len(answer)} characters long)")
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return "\n".join("> " + line if line.strip() else ">" for line in text.splitlines())
+    return "\n".join("> " + line if line.strip() else ">"
+                     for line in sanitize.markdown_block(text).split("\n"))
 
 
 def columns(assignments: list[str]) -> list[str]:
@@ -188,7 +227,7 @@ def capped_notes(notes: list[str]) -> list[str]:
     """At most MAX_NOTES notes of at most NOTE_CHARS characters each, on one line each."""
     out = []
     for note in notes[:MAX_NOTES]:
-        note = " ".join(str(note).split())
+        note = " ".join(sanitize.line(note, fold=True).split())
         out.append(note if len(note) <= NOTE_CHARS else note[:NOTE_CHARS - 1] + "…")
     if len(notes) > MAX_NOTES:
         out[-1] = f"... and {len(notes) - MAX_NOTES + 1} more notes"
@@ -216,26 +255,27 @@ def capped_feedback(text: str, limit: int = FEEDBACK_BYTES) -> str:
 
 def feedback(student: str, result: SubmissionResult) -> str:
     """The Markdown feedback for one student's assignment, at most 64 KiB."""
-    lines = [f"# {result.assignment}: {student}", "",
+    md = sanitize.markdown_line
+    lines = [f"# {md(result.assignment)}: {md(student)}", "",
              f"**Score: {_points(result.points)} / {_points(result.max_points)}**", ""]
     if result.flags:
-        lines += [f"Flags: {', '.join(result.flags)}", ""]
+        lines += [f"Flags: {md(', '.join(map(str, result.flags)), fold=True)}", ""]
     notes = capped_notes(result.notes)
     for note in notes:
-        lines.append(f"- {note}")
+        lines.append(f"- {md(note, fold=True)}")
     if notes:
         lines.append("")
     for check in result.checks:
-        lines += [f"## {check.check}", "", "| case | result | points | hint |",
+        lines += [f"## {md(check.check)}", "", "| case | result | points | hint |",
                   "| --- | --- | --- | --- |"]
         for c in check.cases:
-            hint = c.hint.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {c.name} | {'pass' if c.passed else 'FAIL'} | "
-                         f"{_points(c.points)} / {_points(c.max_points)} | {hint} |")
+            lines.append(f"| {md(c.name, fold=True)} | {'pass' if c.passed else 'FAIL'} | "
+                         f"{_points(c.points)} / {_points(c.max_points)} | "
+                         f"{md(c.hint, fold=True)} |")
         lines.append("")
     if result.cell_errors:
         lines += ["## Errors while your notebook ran", ""]
-        lines += [f"- {e}" for e in result.cell_errors] + [""]
+        lines += [f"- {md(e, fold=True)}" for e in result.cell_errors] + [""]
     return capped_feedback("\n".join(lines))
 
 
@@ -262,22 +302,24 @@ def with_placement(result: SubmissionResult, place: Placed) -> SubmissionResult:
 
 
 def unplaced_line(item: Unplaced) -> str:
-    """The summary's line for a notebook that is not graded."""
-    return f"unplaced: {item.label()}: {item.reason}"
+    """The summary's line for a notebook that is not graded (one line, control characters
+    shown)."""
+    return sanitize.line(f"unplaced: {item.label()}: {item.reason}", fold=True)
 
 
 def unplaced_row(item: Unplaced) -> dict[str, str]:
     """The CSV row of a notebook that is not graded: no assignment, no score, the reason."""
     where = item.relative or "(the folder itself)"
-    return {"student": item.student, "assignment": "", "score": "", "max_score": "",
-            "written_max": "", "flags": f"unplaced: {where}: {item.reason}"}
+    return {"student": sanitize.csv_cell(item.student), "assignment": "", "score": "",
+            "max_score": "", "written_max": "",
+            "flags": sanitize.csv_cell(f"unplaced: {where}: {item.reason}", fold=True)}
 
 
 def grades_csv(rows: list[dict[str, str]], cols: list[str]) -> str:
     """The text of grades.csv."""
     out = io.StringIO()
     writer = csv.DictWriter(out, ["student", "assignment", "score", "max_score", *cols,
-                                  "written_max", "flags"], restval="")
+                                  "written_max", "flags"], restval="", extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
@@ -291,6 +333,142 @@ def _progress(done: int, total: int, start: float) -> None:
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+def error_flag(exc: BaseException, doing: str) -> str:
+    """The flag that says what failed: ``grader error: <exception type> while <doing>``."""
+    return sanitize.line(f"{GRADER_ERROR}: {type(exc).__name__} while {doing}", fold=True)
+
+
+def grader_error_result(name: str, exc: BaseException, doing: str) -> SubmissionResult:
+    """The grade of a notebook the grader failed on: every case 0, flagged "grader error"."""
+    result = SubmissionResult(name)
+    hint = "not graded: the grader failed on this notebook"
+    for checker in ASSIGNMENTS[name].checkers:
+        result.checks.append(CheckResult(checker.name, [
+            checker.result(case, hint, GRADER_ERROR) for case in checker.cases]))
+    result.flags = [GRADER_ERROR, error_flag(exc, doing)]
+    result.notes = ["the grader failed on this notebook; grade it by hand or ask for a regrade"]
+    return result
+
+
+def _max_points(name: str) -> str:
+    return _points(sum(c.points for checker in ASSIGNMENTS[name].checkers
+                       for c in checker.cases))
+
+
+def grade_row(student: str, name: str, result: SubmissionResult, cols: Sequence[str],
+              written_max: float) -> dict[str, str]:
+    """The CSV row of one student's assignment: every text cell through `sanitize.csv_cell`,
+    every number a number."""
+    row = {"student": sanitize.csv_cell(student), "assignment": name,
+           "score": _points(float(result.points)), "max_score": _points(float(result.max_points)),
+           "flags": sanitize.csv_cell(";".join(str(f) for f in result.flags), fold=True),
+           "written_max": _points(written_max)}
+    for check in result.checks:
+        for c in check.cases:
+            col = f"{check.check.removeprefix('check_')}.{c.case_id}"
+            if col in cols:
+                row[col] = _points(float(c.points))
+    return row
+
+
+def error_row(place: Placed, result: SubmissionResult | None, exc: BaseException,
+              doing: str) -> dict[str, str]:
+    """The row of a student whose outputs failed: the score when it is known, else 0, and the
+    flags "grader error" and what failed."""
+    try:
+        score = _points(float(result.points)) if result is not None else "0"
+        flags = [str(f) for f in result.flags] if result is not None else []
+    except Exception:  # noqa: BLE001
+        score, flags = "0", []
+    flags += [GRADER_ERROR, error_flag(exc, doing)]
+    return {"student": sanitize.csv_cell(place.student), "assignment": place.assignment,
+            "score": score, "max_score": _max_points(place.assignment), "written_max": "",
+            "flags": sanitize.csv_cell(";".join(dict.fromkeys(flags)), fold=True)}
+
+
+def feedback_folders(students: Sequence[str]) -> dict[str, str]:
+    """Each student's folder under ``feedback/``: `sanitize.file_name` of the student's folder
+    name (the name itself when every file system takes it), unique even where case is
+    ignored."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for student in sorted(set(students)):
+        base = name = sanitize.file_name(student)
+        n = 1
+        while name.casefold() in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name.casefold())
+        out[student] = name
+    return out
+
+
+def write_outputs(out: Path, placed: Sequence[Placed], results: Sequence[SubmissionResult],
+                  cols: Sequence[str]) -> tuple[list[dict[str, str]], list[str]]:
+    """Write every feedback file and written-answers report; return the rows of grades.csv and
+    the lines the summary adds (feedback moved to a safe folder name).
+
+    Each student's feedback and row are made inside a guard: any exception makes that
+    student's row "grader error" (with the exception's type) and the others go on; each
+    assignment's written report likewise, its rows flagged when it could not be written.
+    """
+    names = sorted({p.assignment for p in placed}, key=list(ASSIGNMENTS).index)
+    folders = feedback_folders([p.student for p in placed])
+    questions: dict[str, list[dict]] = {}
+    for name in names:
+        try:
+            questions[name] = written_questions(name)
+        except Exception:  # noqa: BLE001 (the book's own notebook: reported with the report)
+            questions[name] = []
+    written: dict[str, list[tuple[str, list[str | None]]]] = {name: [] for name in names}
+    rows: list[dict[str, str]] = []
+    lines: list[str] = []
+    for place, res in zip(placed, results, strict=True):
+        student, name = place.student, place.assignment
+        try:
+            answers = ([None] * len(questions[name]) if place.unreadable
+                       else written_answers(place.path, questions[name]))
+            row = grade_row(student, name, res, cols,
+                            sum(q["points"] for q in questions[name]))
+            write_atomic(out / "feedback" / folders[student] / f"{name}.md",
+                         feedback(student, res))
+        except Exception as exc:  # noqa: BLE001 (one student must never stop the class)
+            rows.append(error_row(place, res, exc, "writing the feedback"))
+            continue
+        written[name].append((student, answers))
+        rows.append(row)
+    for student, folder in folders.items():
+        if folder != student:
+            lines.append(sanitize.line(f"feedback of {student}: {out / 'feedback' / folder}/"))
+    for name in names:
+        if not questions[name]:
+            continue
+        try:
+            write_atomic(out / "written" / f"{name}.md",
+                         written_report(name, questions[name], written[name]))
+        except Exception as exc:  # noqa: BLE001
+            flag = error_flag(exc, f"writing written/{name}.md")
+            for row in rows:
+                if row["assignment"] == name:
+                    row["flags"] = sanitize.csv_cell(";".join(
+                        [f for f in row["flags"].split(";") if f] + [GRADER_ERROR, flag]))
+            lines.append(sanitize.line(flag))
+    return rows, lines
+
+
+def write_grades(out: Path, placed: Sequence[Placed], rows: list[dict[str, str]],
+                 unplaced: Sequence[Unplaced], cols: Sequence[str],
+                 failure: BaseException | None = None) -> list[dict[str, str]]:
+    """Write grades.csv: ``rows`` (one per placed notebook, in order; when the grading itself
+    failed before they were made, ``failure``, a "grader error" row for each), then a row per
+    unplaced notebook. Returns the graded rows."""
+    if len(rows) != len(placed):
+        rows = [error_row(place, None, failure or RuntimeError(), "grading") for place in placed]
+    write_atomic(out / "grades.csv", grades_csv(rows + [unplaced_row(u) for u in unplaced],
+                                                list(cols)))
+    return rows
 
 
 def summary(rows: list[dict[str, str]], unplaced: Sequence[Unplaced] = ()) -> str:
@@ -327,7 +505,10 @@ def grade_all(placed: list[Placed], limits: Limits, jobs: int, quiet: bool,
                                limits): i for i in todo}
         for n, fut in enumerate(as_completed(futures), start=1):
             i = futures[fut]
-            results[i] = with_placement(fut.result(), placed[i])
+            try:
+                results[i] = with_placement(fut.result(), placed[i])
+            except Exception as exc:  # noqa: BLE001 (one notebook must never stop the class)
+                results[i] = grader_error_result(placed[i].assignment, exc, "grading")
             if not quiet:
                 _progress(n, len(todo), start)
     return [results[i] for i in range(len(placed))]
@@ -364,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                              "its confinement (every row is flagged 'insecure'); never for "
                              "notebooks you do not trust")
     args = parser.parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character escapes it
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     supported, why = kernel.support()
     if not supported and not args.insecure:
         print(f"error: the grader cannot confine the notebooks: {why}. Run with --insecure to "
@@ -386,40 +570,34 @@ def main(argv: list[str] | None = None) -> int:
         zygote_client.use_fork = False
     limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)
     start = time.monotonic()
-    # Orphans of any process below this one come back to it, so that none outlives the run.
-    kernel.set_child_subreaper()
-    zygote_client.shared_zygote()  # from this thread, which outlives the grading threads
-    try:
-        results = grade_all(placed, limits, args.jobs, args.quiet, start)
-    finally:
-        zygote_client.stop_zygote()
-        # Every process below the grader is gone before anything is written.
-        leftover = kernel.kill_descendants()
     names = sorted({p.assignment for p in placed}, key=list(ASSIGNMENTS).index)
     cols = columns(names)
-    questions = {name: written_questions(name) for name in names}
-    written: dict[str, list[tuple[str, list[str | None]]]] = {name: [] for name in names}
-    rows = []
-    for place, res in zip(placed, results, strict=True):
-        student, name = place.student, place.assignment
-        answers = ([None] * len(questions[name]) if place.unreadable
-                   else written_answers(place.path, questions[name]))
-        written[name].append((student, answers))
-        row = {"student": student, "assignment": name, "score": _points(res.points),
-               "max_score": _points(res.max_points), "flags": ";".join(res.flags),
-               "written_max": _points(sum(q["points"] for q in questions[name]))}
-        for check in res.checks:
-            for c in check.cases:
-                row[f"{check.check.removeprefix('check_')}.{c.case_id}"] = _points(c.points)
-        rows.append(row)
-        write_atomic(args.out / "feedback" / student / f"{name}.md", feedback(student, res))
-    for name in names:
-        if questions[name]:
-            write_atomic(args.out / "written" / f"{name}.md",
-                         written_report(name, questions[name], written[name]))
-    write_atomic(args.out / "grades.csv",  # last: a grades.csv is never older than its feedback
-                 grades_csv(rows + [unplaced_row(item) for item in unplaced], cols))
-    print(summary(rows, unplaced))
+    rows: list[dict[str, str]] = []
+    extra: list[str] = []
+    failure: BaseException | None = None
+    try:
+        try:
+            # Orphans of any process below this one come back to it, so that none outlives
+            # the run.
+            kernel.set_child_subreaper()
+            zygote_client.shared_zygote()  # from this thread, which outlives the grading threads
+            results = grade_all(placed, limits, args.jobs, args.quiet, start)
+        finally:
+            zygote_client.stop_zygote()
+            # Every process below the grader is gone before anything is written.
+            leftover = kernel.kill_descendants()
+        rows, extra = write_outputs(args.out, placed, results, cols)
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        # Always, and last: a grades.csv is never older than its feedback.
+        rows = write_grades(args.out, placed, rows, unplaced, cols, failure)
+    try:
+        text = summary(rows, unplaced)
+    except Exception as exc:  # noqa: BLE001 (the grades are written: say what failed)
+        text = error_flag(exc, "summing up the grades")
+    print("\n".join([text, *extra]))
     if sandbox.insecure:
         print(f"INSECURE: graded without the kernel's confinement ({why}); every row is "
               "flagged 'insecure'")

@@ -132,8 +132,8 @@ def choose_device(
     if cuda_count > 0:
         note = (
             f"{local_world_size} processes but {cuda_count} GPU(s) on this machine: every "
-            f"process computes on the CPU with gloo (at most {cuda_count} processes, "
-            "--nproc-per-node, to use the GPUs)"
+            f"process computes on the CPU with gloo (start --nproc-per-node {cuda_count} "
+            "or fewer to use the GPUs)"
         )
     return "cpu", backend or "gloo", note
 

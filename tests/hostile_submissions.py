@@ -49,6 +49,24 @@ def scaled_dot_product_attention(q, k, v, mask=None):
 """)
 
 
+# The outputs' attacks (`tests/test_hostile_grading.py` checks the files they aim at).
+FORMULA_NAME = '=HYPERLINK("evil.example","open me")'
+HEADING_NAME = "ann\n# Forged heading"
+LATIN1_NAME = "caf\udce9"  # the folder's name is the bytes b"caf\xe9", not UTF-8
+SURROGATE_SHOWN = "byte \\\\xff here, and \\\\u202e reversed"  # as the raw Markdown holds it
+DEEP_LEVELS = 1500
+LIVE_ANSWER = """**Answer.**
+
+<!-- ### BEGIN SOLUTION -->
+# Forged heading
+![pixel](http://evil.example/pixel.png) and [click](http://evil.example/)
+<img src="http://evil.example/i.png"> www.evil.example https://evil.example/x
+Title
+=====
+\u202e reversed &#x202e; too
+<!-- ### END SOLUTION -->"""
+
+
 @dataclass
 class Attack:
     """One submission: its assignment, the cells it replaces, and what the grader must give."""
@@ -285,6 +303,31 @@ def test_batch_mask(batch_mask_fn):
 '''}, None, columns={f"batch_mask_test.{b}": 0 for b in (
         "sees_next", "inverted", "left", "queries", "or", "no_padding", "no_causal", "one_more",
         "max_len", "no_head_axis", "float")}),
+    # Text and names that the outputs must show escaped, never act on (one string used to end the
+    # class's grading without grades.csv). An exception message of a cell holding a lone
+    # surrogate and a bidirectional override: shown escaped in the feedback.
+    "s_surrogate_error": Attack("S", "a1_attention", {3: A1_RIGHT + '''
+
+raise ValueError("byte \\udcff here, and \\u202e reversed")
+'''}, "full", phrase=SURROGATE_SHOWN),
+    # A scratch folder left 1,500 folders deep with names too long for any path to reach the
+    # bottom: its removal must neither recurse past Python's limit nor leave the folder.
+    "s_deep_scratch": Attack("S", "a1_attention", {3: f'''
+import os
+here = os.getcwd()
+for i in range({DEEP_LEVELS}):
+    name = f"{{i:05d}}" * 51
+    os.mkdir(name)
+    os.chdir(name)
+os.chdir(here)
+''' + A1_RIGHT}, "full", ""),
+    # Student folders named like a formula, with a newline and a heading, and in Latin-1 bytes
+    # (an LMS export): each graded in full, its name shown escaped.
+    FORMULA_NAME: Attack("S", "a1_attention", {}, "full", ""),
+    HEADING_NAME: Attack("S", "a1_attention", {}, "full", ""),
+    LATIN1_NAME: Attack("S", "a1_attention", {}, "full", ""),
+    # A written answer with a heading, an image, a link, raw HTML and a bidi override.
+    "e_markdown_answer": Attack("E", "a1_attention", {8: LIVE_ANSWER}, "full", ""),
     # ---- F: full marks for work not done ---------------------------------------------------
     "f_partial": Attack("F", "a1_attention", {3: '''
 import functools

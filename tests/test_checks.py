@@ -220,18 +220,18 @@ def test_the_decomposition_index_finds_what_a_full_walk_finds():
     import torch._decomp  # noqa: F401
     import torch._refs  # noqa: F401
 
-    from utils.checks import poison
+    from utils.checks import families
 
-    table = poison._decomposition_table()
-    index = poison._DecompositionIndex(table)
+    table = families._decomposition_table()
+    index = families._DecompositionIndex(table)
     assert index.table_size == len(table) > 100
     found = 0
     for name in ("native_batch_norm", "native_group_norm", "batch_norm", "rms_norm",
                  "native_layer_norm", "_softmax", "softmax", "instance_norm"):
-        walked_ops = {op for op in list(table) if poison._base_name(op) == name}
+        walked_ops = {op for op in list(table) if families._base_name(op) == name}
         assert set(index.ops.get(name, [])) == walked_ops, name
-        walked = {id(f) for m in list(sys.modules) if m.startswith(poison._DECOMP_MODULES)
-                  for f in poison._functions_in(sys.modules[m]) if f.__name__ == name}
+        walked = {id(f) for m in list(sys.modules) if m.startswith(families._DECOMP_MODULES)
+                  for f in families._functions_in(sys.modules[m]) if f.__name__ == name}
         assert {id(f) for f in index.functions.get(name, [])} == walked, name
         found += len(walked_ops) + len(walked)
     assert found > 10  # the names above do have decompositions and references to poison

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,10 +22,17 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from hostile_submissions import ATTACKS, _a1_with
+from hostile_submissions import (
+    ATTACKS,
+    DEEP_LEVELS,
+    FORMULA_NAME,
+    HEADING_NAME,
+    LATIN1_NAME,
+    _a1_with,
+)
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, kernel
+from utils.checks import ASSIGNMENTS, kernel, sanitize
 from utils.checks.limits import Limits
 from utils.checks.sandbox import grade_notebook
 
@@ -132,15 +140,22 @@ def hostile(tmp_path_factory):
     time.sleep(4)  # anything that escaped would act now
     with open(out / "grades.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    return {"rows": {r["student"]: r for r in rows if r["assignment"]}, "all_rows": rows,
+    shown = {sanitize.csv_cell(s): s for s in [*ATTACKS, "victim", "z_duplicate", "s_fifo",
+                                               "e_symlinked"]}
+    return {"rows": {shown.get(r["student"], r["student"]): r for r in rows if r["assignment"]},
+            "all_rows": rows,
             "out": out, "run": run, "before": before, "after": _digests(list(before)),
             "grades": grades, "grades_later": _digest(out / "grades.csv"), "left": left,
             "left_later": _processes_in(scratch), "scratch": scratch, "elapsed": elapsed,
             "outside": outside, "victim": victim}
 
 
+def _feedback_path(hostile, student: str, assignment: str) -> Path:
+    return hostile["out"] / "feedback" / sanitize.file_name(student) / f"{assignment}.md"
+
+
 def _feedback(hostile, student: str, assignment: str) -> str:
-    return (hostile["out"] / "feedback" / student / f"{assignment}.md").read_text()
+    return _feedback_path(hostile, student, assignment).read_text(encoding="utf-8")
 
 
 def test_there_are_enough_attacks_of_every_kind():
@@ -220,8 +235,83 @@ def test_one_row_per_student_and_assignment_the_newest_graded(hostile):
 
 def test_a_flood_leaves_small_feedback(hostile):
     for student in ATTACKS:
-        path = hostile["out"] / "feedback" / student / f"{ATTACKS[student].assignment}.md"
+        path = _feedback_path(hostile, student, ATTACKS[student].assignment)
         assert path.stat().st_size <= 64 * 1024, student
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs that no string can break: names, messages and answers shown, never acted on
+
+_FORMULA = ("=", "+", "-", "@", "\t", "\r", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+_INVISIBLE = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u2028\u2029\x00-\x08"
+                        "\x0b-\x1f\x7f]")
+
+
+def test_grades_csv_has_one_row_per_student_and_no_live_formula(hostile):
+    raw = (hostile["out"] / "grades.csv").read_bytes().decode("utf-8")  # strict: no surrogate
+    assert not _INVISIBLE.search(raw.replace("\r\n", "\n"))
+    rows = hostile["all_rows"]
+    graded = [(r["student"], r["assignment"]) for r in rows if r["assignment"]]
+    assert len(graded) == len(set(graded)) == len(ATTACKS) + 4  # the victim, the duplicate,
+    assert set(hostile["rows"]) == {*ATTACKS, "victim", "z_duplicate", "s_fifo",  # the FIFO,
+                                    "e_symlinked"}  # the link: one row each, none lost
+    for row in rows:
+        for key, cell in row.items():
+            if key in ("student", "assignment", "flags"):
+                assert not cell.startswith(_FORMULA), (key, cell)
+            elif cell:
+                float(cell)  # scores stay numbers
+    assert hostile["rows"][FORMULA_NAME]["student"] == "'" + FORMULA_NAME
+    assert hostile["rows"][HEADING_NAME]["student"] == "ann\\n# Forged heading"
+    assert hostile["rows"][LATIN1_NAME]["student"] == "caf\\xe9"
+
+
+def test_names_get_a_safe_feedback_folder_and_are_shown_escaped(hostile):
+    for name in (FORMULA_NAME, HEADING_NAME, LATIN1_NAME):
+        path = _feedback_path(hostile, name, "a1_attention")
+        assert path.parent.name.isprintable() and "\"" not in path.parent.name
+        first = path.read_bytes().decode("utf-8").splitlines()[0]
+        assert first == f"# a1_attention: {sanitize.markdown_line(name)}"
+        assert f"feedback of {sanitize.line(name)}: {path.parent}/" in hostile["run"].stdout
+    assert "caf\\xe9" in hostile["run"].stdout and "\udce9" not in hostile["run"].stdout
+
+
+def _rendered(text: str) -> str:
+    markdown_it = pytest.importorskip("markdown_it")
+    try:
+        return markdown_it.MarkdownIt("gfm-like").render(text)
+    except Exception:  # noqa: BLE001 (without linkify-it)
+        return markdown_it.MarkdownIt("commonmark").enable("table").render(text)
+
+
+def test_no_output_holds_a_live_image_link_heading_or_invisible_character(hostile):
+    for path in sorted(hostile["out"].rglob("*.md")):
+        text = path.read_bytes().decode("utf-8")  # strict: no lone surrogate was written
+        assert not _INVISIBLE.search(text), path
+        html = _rendered(text)
+        for live in ("<img", "<a ", "<script", "<hr"):
+            assert live not in html, (path, live)
+        assert re.search(r"<h[1-6]>(Forged heading|Title)</h", html) is None, path
+        assert html.count("<h1") == 1, path  # the grader's own title only
+    written = (hostile["out"] / "written" / "a1_attention.md").read_text(encoding="utf-8")
+    students = {s for s, a in ATTACKS.items() if a.assignment == "a1_attention"}
+    heads = [ln for ln in written.splitlines() if ln.startswith("### ")]
+    assert len(heads) == 2 * (len(students) + 4)  # two questions; the victim, the duplicate,
+    assert "> \\# Forged heading" in written  # the FIFO and the link besides the attacks
+    assert "\\!\\[pixel\\](http\\[:\\]//evil.example/pixel.png)" in written
+
+
+def test_a_cell_error_with_a_surrogate_and_a_bidi_override_is_shown_escaped(hostile):
+    text = _feedback(hostile, "s_surrogate_error", "a1_attention")
+    assert "\u202e" not in text and "\\\\xff" in text and "\\\\u202e" in text
+
+
+def test_a_deep_scratch_tree_is_removed_without_a_grader_error(hostile):
+    """Thousands of nested folders in a child's scratch folder: removed, no grader error (the
+    folder's absence is checked with every scratch folder's, above)."""
+    assert DEEP_LEVELS > 1000  # past Python's recursion limit
+    assert all("grader error" not in r["flags"] for r in hostile["all_rows"])
+    assert hostile["rows"]["s_deep_scratch"]["flags"] == ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,6 +64,32 @@ def test_answers_are_found_by_their_cell_id(tmp_path):
         "Columns sum to 1 instead of rows."] + [None] * (len(questions) - 1)
 
 
+def test_answers_are_found_by_position_when_the_cell_ids_are_gone(tmp_path):
+    """Cells copied into a fresh notebook keep no metadata: each answer is then the first
+    "**Answer.**" cell after its question, code cells in between or not."""
+    name = "a3_masks"
+    questions = grade_assignments.written_questions(name)
+    filled = _student(name, tmp_path, {questions[0]["id"]: "Padding after: no change.",
+                                       questions[2]["id"]: "Rows of length-0 sequences."})
+    nb = nbformat.read(filled, as_version=4)
+    fresh = nbformat.v4.new_notebook()
+    for cell in nb.cells:
+        copy = (nbformat.v4.new_markdown_cell(cell.source) if cell.cell_type == "markdown"
+                else nbformat.v4.new_code_cell(cell.source))
+        fresh.cells.append(copy)
+        if cell.source.startswith("**Question 1."):
+            fresh.cells.append(nbformat.v4.new_code_cell("# my scratch work"))
+    path = tmp_path / "fresh.ipynb"
+    nbformat.write(fresh, path)
+    assert grade_assignments.written_answers(path, questions) == [
+        "Padding after: no change.", None, "Rows of length-0 sequences."]
+    # A question whose answer cell was deleted gets none, not the next question's answer.
+    fresh.cells = [c for c in fresh.cells if "Padding after" not in c.source]
+    nbformat.write(fresh, path)
+    assert grade_assignments.written_answers(path, questions) == [
+        None, None, "Rows of length-0 sequences."]
+
+
 def test_broken_or_huge_notebooks_give_no_answers_and_no_error(tmp_path):
     questions = grade_assignments.written_questions("a1_attention")
     bad = tmp_path / "bad.ipynb"

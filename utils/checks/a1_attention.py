@@ -220,13 +220,20 @@ ASSIGNMENT = Assignment(
                   "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                  # the kernels beneath them, under names of their own
+                  "_flash_attention_forward", "_efficient_attention_forward",
+                  "_cudnn_attention_forward", "_triton_scaled_dot_attention",
                   # the fused multi-head kernels compute it too, with identity projections
                   "_native_multi_head_attention", "_transformer_encoder_layer_fwd")),
+        # (each with its family: every overload, variant and backward kernel, see
+        # utils.checks.poison.operator_family)
         Rule("code", "torch.ao.nn.quantizable.modules.activation", "uses torch's quantizable "
              "MultiheadAttention, which computes this attention", qualname="MultiheadAttention"),
         Rule("code", "torch.nn.attention.flex_attention", "uses torch's flex_attention, which "
              "computes the attention this assignment asks you to write",
              qualname="flex_attention"),
+        Rule("code", "torch._higher_order_ops.flex_attention", "uses torch's flex_attention "
+             "operator, which computes the attention this assignment asks you to write"),
         Rule("code", "torch.nn.modules.activation", "uses torch's nn.MultiheadAttention",
              qualname="MultiheadAttention"),
         Rule("code", "torch.nn.functional", "uses torch's multi_head_attention_forward",

@@ -6,6 +6,8 @@ logits (B, L_t, V), causal, blind to padding), ``train_step`` (the shifted decod
 masks, the loss, the optimizer's calls), ``greedy_decode`` (against the greedy tokens of the
 scripted model, `simulate_greedy`) and the retraining (held-out exact match, a share of the
 points between `ZERO_ACCURACY` and `PASS_ACCURACY`). `a8_train` holds the cases and the checker.
+The model's invariances (causal, blind to padding) hold for a model that reads nothing, so the
+model cases also require that its logits change with its input (`BLIND`, `DEAF`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from .core import Spec
 from .training_runner import _after_eos_to_pad
 from .training_task import VOCAB, _as_mask, scripted_next
 
-__all__ = ["M", "JUDGES", "PASS_ACCURACY", "ZERO_ACCURACY", "exact_match", "partial_fraction",
-           "simulate_greedy"]
+__all__ = ["M", "BLIND", "DEAF", "JUDGES", "PASS_ACCURACY", "ZERO_ACCURACY", "exact_match",
+           "partial_fraction", "simulate_greedy"]
 
 PASS_ACCURACY = 0.95
 ZERO_ACCURACY = 0.50
@@ -124,14 +126,31 @@ M = {
 }
 
 
+BLIND = ("your model ignores its inputs: changing the last decoder token left the logits of "
+         "the last position unchanged (each position must read the decoder tokens up to its "
+         "own, and the source)")
+DEAF = ("your model ignores its source: changing every real source token left all its logits "
+        "unchanged (the decoder must read the encoder's output through cross-attention)")
+
+
 def judge_model(spec: Spec, t: dict[str, torch.Tensor]) -> str | None:
+    """The model cases: logits of the right shape, finite, that read the decoder input (the
+    last position's logits change with its own token: a model that ignores its inputs would
+    pass the invariances below without computing anything) and the source (`DEAF`), and, by
+    aspect, causal (earlier positions unchanged) or blind to the source's padding."""
     base, later, padded = t["out:base"], t["out:later"], t["out:padded"]
+    source = t["out:source"]
     b, length = spec.tensors["tgt"].shape
     if tuple(base.shape) != (b, length, VOCAB):
         return (f"your model returned logits of shape {tuple(base.shape)}, expected (B, L_t, "
                 f"V) = {(b, length, VOCAB)}")
     if not torch.isfinite(base).all():
         return "your model's logits contain NaN or inf"
+    if tuple(later.shape) != tuple(base.shape) or torch.allclose(
+            base[:, -1], later[:, -1], atol=1e-5):
+        return BLIND
+    if tuple(source.shape) != tuple(base.shape) or torch.allclose(base, source, atol=1e-5):
+        return DEAF
     aspect = spec.config["aspect"]
     if aspect == "causal" and not torch.allclose(base[:, :-1], later[:, :-1], atol=1e-5):
         return M["model_causal"]

@@ -152,7 +152,7 @@ def _model_case(aspect: str) -> Any:
         src, tgt = _pairs(gen, 3, 3, 7)
         dec_in = torch.cat([torch.full((3, 1), BOS, dtype=torch.long), tgt[:, :-1]], 1)
         return Spec(KIND, {"src": src, "tgt": dec_in, "src_mask": src != PAD}, [],
-                    literals=["model"], outputs=["base", "later", "padded"],
+                    literals=["model"], outputs=["base", "later", "padded", "source"],
                     seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
                     config={"aspect": aspect})
     return make

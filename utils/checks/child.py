@@ -8,8 +8,12 @@ instructions from the grader and, before the notebook's first line runs:
 2. imports the modules whose forbidden parts it must poison, and poisons them (`poison`):
    torch's forbidden operators through the dispatcher, forbidden Python code in place;
 3. stands in for IPython (``get_ipython()``: the magics that run code run it once,
-   ``%%writefile`` writes its file, shell commands and the other magics do nothing) and for the
-   checkers (``from utils.checks import check_...`` gives a function that does nothing);
+   ``%%writefile`` writes its file, ``%run`` runs one as IPython does, shell commands and the
+   other magics do nothing; the names IPython gives a notebook without an import: ``display``,
+   which shows nothing here, ``In``, ``Out``, ``_ih``, ``_oh``, ``_dh``, ``_i``, ``_iN``; each
+   cell's source in `linecache`, so that `inspect.getsource` and ``@torch.jit.script`` find it)
+   and for the checkers (``from utils.checks import check_...`` gives a function that does
+   nothing);
 4. sets its resource limits and gives up every privilege (`kernel`), confines itself with
    Landlock (read only what it needs, write only in its own folder), installs the seccomp
    filter (no process, no exec, no socket, no signal to another process), and last an audit
@@ -33,6 +37,7 @@ import torch
 
 from . import kernel, runners
 from .core import Spec, guarded_exercise
+from .ipython_shell import Shell, display, remember_source
 from .poison import Reporter, install_audit_hook, poison_operators, poison_python
 from .protocol import read_trusted, write_frame
 from .results import CheckResult
@@ -61,60 +66,6 @@ def _describe_target(obj: Any) -> dict[str, Any]:
         info["mro"] = [[str(getattr(obj, "__module__", ""))[:200],
                         str(getattr(obj, "__qualname__", ""))[:200]]]
     return info
-
-
-class _Shell:
-    """What ``get_ipython()`` returns in the grader. The magics that run Python code run it once
-    (``%time``, ``%timeit``, ``%%time``, ``%%capture``, ...), ``%%writefile`` writes its file in
-    the scratch folder; the others, and shell commands, do nothing (a ``!pip install`` left in a
-    notebook must not stop the rest of its cell)."""
-
-    RUNS_CODE = frozenset(("time", "timeit", "capture", "prun", "debug"))
-
-    def __init__(self, ns: dict[str, Any]):
-        self.ns = ns
-        self.user_ns = ns
-
-    def _run(self, code: str) -> Any:
-        """Run ``code`` in the notebook's namespace; the value of an expression, as ``x = %time
-        f()`` expects it."""
-        try:
-            expression = compile(code, "<magic>", "eval")
-        except SyntaxError:
-            exec(compile(code, "<magic>", "exec"), self.ns)  # noqa: S102 (the submission's code)
-            return None
-        return eval(expression, self.ns)  # noqa: S307 (the submission's code)
-
-    def run_line_magic(self, name: str, line: str, *args: Any, **kwargs: Any) -> Any:
-        if name in self.RUNS_CODE:
-            words = line.split()
-            while words and words[0].startswith("-"):  # %timeit -n 10 -r 3 expr
-                words = words[2:] if words[0] in ("-n", "-r") else words[1:]
-            return self._run(" ".join(words))
-        return None
-
-    def run_cell_magic(self, name: str, line: str, cell: str, *args: Any, **kwargs: Any) -> None:
-        if name in self.RUNS_CODE:
-            if name == "capture" and line.split():
-                target = line.split()[-1]
-                if target.isidentifier():
-                    self.ns[target] = None
-            self._run(cell)
-        elif name == "writefile":
-            words = line.split()
-            if words:
-                with open(words[-1], "a" if "-a" in words[:-1] else "w") as f:
-                    f.write(cell)
-        return None
-
-    def system(self, cmd: str, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def getoutput(self, cmd: str, *args: Any, **kwargs: Any) -> list[str]:
-        return []
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def _stub_checkers() -> None:
@@ -231,13 +182,23 @@ def serve() -> None:
     sys.modules["__main__"] = types.ModuleType("__main__")
     ns: dict[str, Any] = sys.modules["__main__"].__dict__
     ns["__builtins__"] = builtins
-    shell = _Shell(ns)
+    shell = Shell(ns)
     builtins.get_ipython = lambda: shell  # type: ignore[attr-defined]
+    builtins.display = display  # type: ignore[attr-defined]
+    inputs: list[str] = [""]
+    outputs: dict[int, Any] = {}  # nothing is displayed while grading
+    ns.update({"In": inputs, "_ih": inputs, "Out": outputs, "_oh": outputs,
+               "_dh": [os.getcwd()], "_i": "", "_ii": "", "_iii": ""})
     sys.path.insert(0, os.getcwd())  # as in Jupyter: a module the notebook wrote is importable
     errors = []
     for i, src in enumerate(start["cells"]):
+        inputs.append(src)  # IPython's input history, with its shortcuts
+        ns["_iii"], ns["_ii"], ns["_i"] = ns.get("_ii", ""), ns.get("_i", ""), inputs[-2]
+        ns[f"_i{i + 1}"] = src
         try:
-            exec(compile(src, f"<cell {i + 1}>", "exec"), ns)  # noqa: S102 (the submission)
+            name = remember_source(src, f"<cell {i + 1}>")
+            # dont_inherit: this module's `from __future__ import annotations` is not the cell's
+            exec(compile(src, name, "exec", dont_inherit=True), ns)  # noqa: S102 (the submission)
         except BaseException as exc:  # the student's error: note it, run the next cell
             if len(errors) < 20:
                 errors.append({"cell": i + 1, "error": _error_text(exc)})

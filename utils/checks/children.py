@@ -2,9 +2,10 @@
 
 For the grader (assignments' grading). `Child` makes a private scratch folder holding a copy of
 the notebook, gets a process forked by the zygote (or starts a fresh one), sends it the start
-message, and then reads its frames, writes to it without ever blocking, reads its CPU time from
-the kernel, measures its scratch folder and kills it. `Stop` is a case lost by a child: a hint
-for the student and a flag for the grades.
+message, and then reads its frames (`PolledReader`: the grader's checks of the child run on a
+fixed period however busy its pipe, and once more before an answer is accepted), writes to it
+without ever blocking, reads its CPU time from the kernel, measures its scratch folder and
+kills it. `Stop` is a case lost by a child: a hint for the student and a flag for the grades.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import atexit
 import contextlib
 import os
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -37,8 +37,145 @@ def _scratch_parent() -> Path:
     with zygote_lock:
         if _scratch_root is None or not _scratch_root.is_dir():
             _scratch_root = Path(tempfile.mkdtemp(prefix="grade-scratch-"))
-            atexit.register(shutil.rmtree, _scratch_root, True)
+            atexit.register(remove_tree, _scratch_root)
         return _scratch_root
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_dir(name: str, dir_fd: int | None) -> int:
+    """A folder's descriptor (never through a symbolic link); one its owner made unreadable
+    is made readable first."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        os.chmod(name, 0o700, dir_fd=dir_fd)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def _clear(fd: int, stuck: set[tuple[int, int]]) -> tuple[str, tuple[int, int]] | None:
+    """Unlink every entry of the folder ``fd`` but its folders; the name and identity of one
+    folder left to enter (not in ``stuck``), or None."""
+    try:
+        os.fchmod(fd, 0o700)
+    except OSError:
+        pass
+    sub = None
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if sub is None and (st.st_dev, st.st_ino) not in stuck:
+                        sub = entry.name, (st.st_dev, st.st_ino)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+            except OSError:
+                continue
+    return sub
+
+
+def remove_tree(path: Path | str) -> None:
+    """Remove the folder ``path`` and everything in it, however deep, and never raise.
+
+    A child's scratch folder is whatever the student's code left there: thousands of nested
+    folders (which make `shutil.rmtree` recurse past Python's limit and hold a descriptor per
+    level), names so long that no path reaches the bottom, folders made unreadable. This walks
+    down one folder at a time by descriptor (``openat``, never a link) and back up by ``..``,
+    checked against the identity it recorded on the way down, holding two descriptors at most.
+    """
+    try:
+        fd = _open_dir(str(path), None)
+    except FileNotFoundError:
+        return
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+    trail: list[tuple[str, tuple[int, int]]] = []  # (name, identity) of each folder entered
+    stuck: set[tuple[int, int]] = set()  # folders that cannot be removed: never entered again
+    try:
+        st = os.fstat(fd)
+        here = (st.st_dev, st.st_ino)
+        while True:
+            try:
+                sub = _clear(fd, stuck)
+            except OSError:
+                sub = None
+            if sub is not None:
+                try:
+                    down = _open_dir(sub[0], fd)
+                except OSError:
+                    stuck.add(sub[1])
+                    continue
+                st = os.fstat(down)
+                trail.append((sub[0], here))
+                os.close(fd)
+                fd, here = down, (st.st_dev, st.st_ino)
+                continue
+            if not trail:
+                break
+            left = here
+            name, parent = trail.pop()
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            st = os.fstat(up)
+            os.close(fd)
+            fd = up
+            if (st.st_dev, st.st_ino) != parent:
+                return  # the tree changed under us: stop rather than remove elsewhere
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                stuck.add(left)
+            here = parent
+    except OSError:
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+class PolledReader(Reader):
+    """A child's frames, read so that the grader's checks of the child run on a fixed period
+    whatever the child sends.
+
+    The grader checks a child's CPU time, threads and scratch folder when a read raises
+    `TimeoutError` (`utils.checks.sessions.Conversation._wait`). A plain read raises it only
+    when no frame arrives within a poll, so a child that keeps its pipe busy (a report every
+    millisecond) would never be checked until the wall-clock backstop, and its answer would be
+    accepted whatever it cost. This read raises `TimeoutError` (the cue to check) whenever
+    ``period`` seconds have passed since the last check, frames waiting or not, and once more
+    when a ``ready`` or ``result`` frame arrives, which it holds and hands over on the next
+    read: no answer is accepted before the checks have run after it came. No frame is lost.
+    """
+
+    def __init__(self, fd: int, period: float = POLL_S):
+        super().__init__(fd)
+        self.period = period
+        self.due = time.monotonic() + period
+        self.held: dict[str, Any] | None = None
+
+    def read(self, deadline: float) -> dict[str, Any]:
+        if self.held is not None:
+            msg, self.held = self.held, None
+            return msg
+        now = time.monotonic()
+        if now >= self.due:
+            self.due = now + self.period
+            raise TimeoutError
+        try:
+            msg = super().read(min(deadline, self.due))
+        except TimeoutError:
+            self.due = time.monotonic() + self.period
+            raise
+        if isinstance(msg, dict) and msg.get("op") in ("ready", "result"):
+            self.held = msg
+            self.due = time.monotonic() + self.period
+            raise TimeoutError
+        return msg
 
 
 class Child:
@@ -70,7 +207,7 @@ class Child:
             self.proc.stdin.close()
             self.proc.stdout.close()
         os.set_blocking(self.write_fd, False)
-        self.reader = Reader(read_fd)
+        self.reader = PolledReader(read_fd)
         self.cpu_start = self.cpu_seen = self.cpu() or 0.0
         try:
             self.send(start)
@@ -78,11 +215,13 @@ class Child:
             pass  # the next read says what happened
 
     def cpu(self) -> float | None:
-        """The CPU seconds this child has used (None once it is gone)."""
+        """The CPU seconds this child has used; once it is gone, what was last seen (so that a
+        child that answers and exits at once is still held to its limit), None if never seen."""
         used = kernel.cpu_seconds(self.pid)
         if used is not None:
             self.cpu_seen = max(getattr(self, "cpu_seen", 0.0), used)
-        return used
+            return used
+        return getattr(self, "cpu_seen", None)
 
     def cpu_used(self) -> float:
         """The CPU seconds this child used, as last seen alive."""
@@ -145,7 +284,7 @@ class Child:
                 os.close(fd)
         if self.proc is not None:
             self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_tree(self.dir)
 
 
 class Stop(Exception):

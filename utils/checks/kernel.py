@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import platform
 import resource
 import signal
@@ -112,8 +111,8 @@ def set_parent_death_signal() -> None:
 def drop_privileges() -> None:
     """Set ``no_new_privs`` and give up every capability, for good."""
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    if os.geteuid() != 0 and not _has_capabilities():
-        return
+    if not _has_capabilities():  # an ordinary user, or root without capabilities (a container
+        return  # run with all of them dropped): none to give up, and dropping one would fail
     cap = 0
     while cap < 64:
         if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:

@@ -7,12 +7,14 @@ the student's process can be switched off by that process. So before the student
 the child makes the forbidden code itself fail, at the place every route leads to:
 
 * torch's built-in operators (``aten::scaled_dot_product_attention``, ``aten::native_layer_norm``,
-  ...) get a kernel of the child's own, registered with torch's dispatcher for every dispatch key
-  where the operator has one, that reports the call to the grader and raises `PermissionError`.
-  ``F.scaled_dot_product_attention``, ``torch.ops.aten...``, ``torch._C._nn...`` and any other
-  binding all go through the dispatcher. The registration's handle is kept alive by a reference
-  that no Python object holds, so no code in the process can take it back; torch's Python
-  decompositions and references of the same operators are poisoned too.
+  ...) get a kernel of the child's own, registered with torch's dispatcher for every computing
+  dispatch key where the operator has one, that reports the call to the grader and raises
+  `PermissionError`. ``F.scaled_dot_product_attention``, ``torch.ops.aten...``,
+  ``torch._C._nn...`` and any other binding all go through the dispatcher. A rule's operator
+  stands for its family (`families.operator_family`: every overload, namespace, variant and
+  backward kernel). The registration's handle is kept alive by a reference that no Python
+  object holds, so no code in the process can take it back; torch's Python decompositions of
+  the family are poisoned too, with the private helpers only they use (``_refs._normalize``).
 * Python functions and classes (``F.layer_norm``, ``nn.MultiheadAttention``, ``utils.train.train``)
   have their code replaced in place, so every reference to them, wherever it was kept, now holds
   code that reports and raises. The grader's Landlock policy keeps their source files unreadable,
@@ -39,10 +41,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["Reporter", "poison_operators", "poison_python", "install_audit_hook"]
+from . import families
+from .families import (
+    _DECOMP_MODULES,
+    _base_name,
+    _decomposition_table,
+    _functions_in,
+    _private_helpers,
+    _references,
+    family_words,
+    index_decompositions,
+    operator_family,
+)
 
-_DISPATCH_KEYS = ("CPU", "CUDA", "NestedTensorCPU", "NestedTensorCUDA", "CompositeImplicitAutograd",
-                  "CompositeExplicitAutograd")
+__all__ = ["Reporter", "family_words", "operator_family", "index_decompositions",
+           "poison_operators", "poison_python", "install_audit_hook"]
+
+# The dispatch keys whose kernels compute values (not Meta's shapes, not the autograd, tracing,
+# batching or autocast layers, which end in one of these).
+_DISPATCH_KEYS = ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1", "QuantizedCPU",
+                  "QuantizedCUDA", "SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA",
+                  "NestedTensorCPU", "NestedTensorCUDA", "MkldnnCPU",
+                  "CompositeImplicitAutograd", "CompositeImplicitAutogradNestedTensor",
+                  "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
 
 
 class Reporter:
@@ -77,30 +98,52 @@ def _raiser(message: str, report: Callable[[], None]) -> Callable[..., Any]:
     return forbidden
 
 
-def poison_operators(ops: Sequence[tuple[str, str]], reporter: Reporter) -> list[str]:
-    """Make each torch operator ``(name, rule id)`` report and raise, through the dispatcher.
+def _computing_keys(table: str) -> list[str]:
+    keys = []
+    for line in table.splitlines():
+        key = line.partition(":")[0].removesuffix("[alias]")
+        if key in _DISPATCH_KEYS and key not in keys:
+            keys.append(key)
+    return keys
 
-    Returns the operators poisoned (those this torch has)."""
+
+def poison_operators(ops: Sequence[tuple[str, str]], reporter: Reporter) -> list[str]:
+    """Make each torch operator ``(name, rule id)`` report and raise, through the dispatcher:
+    ``name`` is ``ns::name.overload`` (a family's member, from `operator_family`) or a plain
+    ``name`` (aten's, its default overload), and a kernel of its own replaces each of its
+    computing kernels (`_DISPATCH_KEYS`).
+
+    Returns the operators poisoned (those this torch has, with a kernel that computes)."""
     done: list[str] = []
     if not ops:
         return done
-    lib = torch.library.Library("aten", "IMPL")
-    for name, rule_id in ops:
-        try:
-            table = torch._C._dispatch_dump(f"aten::{name}")
-        except RuntimeError:
-            continue  # this torch has no such operator
-        keys = [k for k in _DISPATCH_KEYS if f"\n{k}:" in "\n" + table or f"{k}[alias]" in table]
-        fn = _raiser(f"torch's {name} may not be used in this assignment",
-                     _reporting(reporter, rule_id, name))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+    libs: dict[str, Any] = {}
+    bases: dict[str, str] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        for name, rule_id in ops:
+            qualified = name if "::" in name else f"aten::{name}"
+            namespace, _, op = qualified.partition("::")
+            base = op.partition(".")[0]
+            bases.setdefault(base, rule_id)
+            try:
+                table = torch._C._dispatch_dump(qualified)
+            except RuntimeError:
+                continue  # this torch has no such operator
+            keys = _computing_keys(table)
+            if not keys:
+                continue
+            shown = op if namespace == "aten" else qualified
+            fn = _raiser(f"torch's {shown} may not be used in this assignment",
+                         _reporting(reporter, rule_id, shown))
+            if namespace not in libs:
+                libs[namespace] = torch.library.Library(namespace, "IMPL")
             for key in keys:
-                lib.impl(name, lambda *a, _fn=fn, **k: _fn(*a, **k), key)
-        if keys:
-            done.append(name)
-    _keep_forever(lib)
-    _poison_decompositions({n for n, _ in ops}, dict(ops), reporter)
+                libs[namespace].impl(op, lambda *a, _fn=fn, **k: _fn(*a, **k), key)
+            done.append(qualified)
+    for lib in libs.values():
+        _keep_forever(lib)
+    _poison_decompositions(set(bases), bases, reporter)
     return done
 
 
@@ -130,55 +173,6 @@ def _keep_forever(lib: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(lib))
 
 
-_DECOMP_MODULES = ("torch._decomp", "torch._refs", "torch._prims")
-
-
-class _DecompositionIndex:
-    """Where torch's Python decompositions and references of each operator are: the keys of the
-    decomposition table and the functions of torch._decomp, torch._refs and torch._prims, by
-    operator name. Made once in the zygote (`index_decompositions`), so that a child reads only
-    the entries of the operators it poisons: walking every one of them in each child costs about
-    15 ms, most of it copying the pages it touches of what the child shares with the zygote."""
-
-    def __init__(self, table: dict[Any, Any]) -> None:
-        self.table_size = len(table)
-        self.ops: dict[str, list[Any]] = {}
-        for op in list(table):
-            self.ops.setdefault(_base_name(op), []).append(op)
-        self.modules = frozenset(m for m in list(sys.modules) if m.startswith(_DECOMP_MODULES))
-        self.functions: dict[str, list[types.FunctionType]] = {}
-        for name in self.modules:
-            for value in _functions_in(sys.modules.get(name)):
-                self.functions.setdefault(value.__name__, []).append(value)
-
-
-_INDEX: _DecompositionIndex | None = None
-
-
-def _decomposition_table() -> dict[Any, Any]:
-    try:
-        from torch._decomp import decomposition_table
-    except ImportError:
-        return {}
-    return decomposition_table
-
-
-def index_decompositions() -> None:
-    """Index torch's decompositions once, before forking the children (the zygote calls it)."""
-    global _INDEX
-    _INDEX = _DecompositionIndex(_decomposition_table())
-
-
-def _base_name(op: Any) -> str:
-    return str(getattr(getattr(op, "overloadpacket", op), "__name__", ""))
-
-
-def _functions_in(module: Any) -> list[types.FunctionType]:
-    if module is None:
-        return []
-    return [v for v in list(vars(module).values()) if inspect.isfunction(v)]
-
-
 def _poison_decompositions(names: set[str], rule_of: dict[str, str], reporter: Reporter) -> None:
     """torch's Python decompositions and references of the operators ``names``: through the
     zygote's index where it still describes this process, and whatever was imported or
@@ -186,47 +180,67 @@ def _poison_decompositions(names: set[str], rule_of: dict[str, str], reporter: R
     if not names:
         return
     table = _decomposition_table()
-    index = _INDEX
+    index = families._INDEX
     if index is not None and len(table) == index.table_size:
-        table_ops = [op for name in names for op in index.ops.get(name, [])]
+        table_ops = [(op, name) for name in names for op in index.ops.get(name, [])]
     else:
-        table_ops = [op for op in list(table) if _base_name(op) in names]
-    for op in table_ops:
-        base = _base_name(op)
+        table_ops = [(op, base) for op in list(table) if (base := _base_name(op)) in names]
+    for op, base in table_ops:
         table[op] = _raiser(f"torch's {base} may not be used in this assignment",
                             _reporting(reporter, rule_of[base], base))
     indexed = index.modules if index is not None else frozenset()
-    functions = [f for name in names for f in index.functions.get(name, [])] if index else []
+    late: dict[str, list[types.FunctionType]] = {}  # in modules imported after the index
     for mod_name in [m for m in list(sys.modules) if m.startswith(_DECOMP_MODULES)]:
         if mod_name not in indexed:
-            functions += [f for f in _functions_in(sys.modules.get(mod_name))
-                          if f.__name__ in names]
+            for f in _functions_in(sys.modules.get(mod_name)):
+                late.setdefault(f.__name__, []).append(f)
+
+    def lookup(name: str) -> list[types.FunctionType]:
+        return (index.functions.get(name, []) if index is not None else []) + late.get(name, [])
+
+    if index is not None and not late:
+        refs, callers = index.refs, index.callers
+    else:
+        every = dict(index.functions) if index is not None else {}
+        for name, fns in late.items():
+            every[name] = every.get(name, []) + fns
+        refs, callers = _references(every)
+    rule_of = dict(rule_of)
+    for helper, user in _private_helpers(set(names), refs, callers).items():
+        rule_of[helper] = rule_of[user]
+    functions = [f for name in rule_of for f in lookup(name)]
     for fn in functions:
         _replace_code(fn, f"torch's {fn.__name__} may not be used in this assignment",
                       _reporting(reporter, rule_of[fn.__name__], fn.__name__))
 
 
-def _poison_code(nfree: int, message: str) -> types.CodeType:
-    """A code object that calls its ``_report`` keyword default and raises, with ``nfree`` free
-    variables (so that it can replace the code of a function that has a closure)."""
+_POISON_CODES: dict[int, types.CodeType] = {}
+
+
+def _poison_code(nfree: int) -> types.CodeType:
+    """A code object that calls its ``_report`` keyword default and raises `PermissionError`
+    with its ``_message``, with ``nfree`` free variables (so that it can replace the code of a
+    function that has a closure); one per ``nfree``, compiled once."""
+    if nfree in _POISON_CODES:
+        return _POISON_CODES[nfree]
     names = [f"_cell{i}" for i in range(nfree)]
-    inner = ["    def forbidden(*args, _report=None, **kwargs):"]
+    inner = ["    def forbidden(*args, _report=None, _message='forbidden', **kwargs):"]
     if names:
         inner.append("        (" + ", ".join(names) + ",)")
     inner += ["        if _report is not None:", "            _report()",
-              f"        raise PermissionError({message!r})"]
+              "        raise PermissionError(_message)"]
     src = "def outer():\n" + "".join(f"    {n} = None\n" for n in names) + "\n".join(inner) + \
         "\n    return forbidden\n"
     scope: dict[str, Any] = {}
     exec(compile(src, "<forbidden>", "exec"), scope)  # noqa: S102 (our own text)
-    return scope["outer"]().__code__
+    _POISON_CODES[nfree] = scope["outer"]().__code__
+    return _POISON_CODES[nfree]
 
 
 def _replace_code(fn: types.FunctionType, message: str, report: Callable[[], None]) -> None:
-    nfree = len(fn.__code__.co_freevars)
-    fn.__code__ = _poison_code(nfree, message)
+    fn.__code__ = _poison_code(len(fn.__code__.co_freevars))
     fn.__defaults__ = None
-    fn.__kwdefaults__ = {"_report": report}
+    fn.__kwdefaults__ = {"_report": report, "_message": message}
 
 
 def _functions_of(obj: Any) -> Iterable[types.FunctionType]:

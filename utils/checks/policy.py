@@ -3,8 +3,9 @@
 For the grader (assignments' grading): `child_policy` turns an assignment's rules (`guard.Rule`)
 into the Landlock paths a child may read (Python, its packages, the parts of ``utils`` the rules
 allow: ``utils/checks`` never) and list, the sources whose opening is reported (the book, the
-tests, the checkers' references), the torch operators and the Python code to poison, and the
-modules the child may not import. Policies are cached by the rules' ids.
+tests, the checkers' references), the torch operators to poison (each rule's operators with
+their families, `poison.operator_family`) and the Python code to poison, and the modules the
+child may not import. Policies are cached by the rules' ids.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .guard import Rule
+from .poison import operator_family
 
 UTILS = Path(__file__).resolve().parent.parent
 ROOT = UTILS.parent
@@ -109,12 +111,18 @@ def child_policy(rules: list[Rule]) -> dict[str, list[str]]:
              "/etc/group", "/etc/nsswitch.conf", "/dev/null", "/dev/zero", "/dev/urandom",
              "/dev/random", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
              "/sys/devices/system/cpu"]
-    ops = [(op, r.id) for r in rules for op in r.operators]
+    # Each builtin rule's operators with their families: every overload, namespace, variant
+    # and backward kernel of this torch's dispatcher (`poison.operator_family`).
+    ops: dict[str, str] = {}
+    for r in rules:
+        if r.operators:
+            for op in operator_family(r.operators):
+                ops.setdefault(op, r.id)
     python = [(r.target, r.qualname, r.id, _what(r)) for r in rules
               if r.kind == "code" and not r.target.startswith("utils.checks")
               and r.target not in forbidden_modules]
     policy = {"readable": full, "listable": listing, "sources": sources,
-              "poison_ops": ops, "poison_python": python,
+              "poison_ops": list(ops.items()), "poison_python": python,
               "forbidden_modules": [(r.target, r.id) for r in rules if r.kind == "module"]}
     with _POLICY_LOCK:
         _POLICIES[key] = policy

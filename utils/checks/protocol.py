@@ -22,6 +22,10 @@ import torch
 
 MAX_FRAME = 64 * 2**20  # no honest result comes near this
 MAX_HEADER = 256 * 2**10
+# The grader's own frames, read by the child: the start message carries every code cell of the
+# notebook (up to 20 MiB of it, which JSON's escapes can make six times larger), so the bounds
+# above, meant for what a child sends, do not apply to it; this one only catches a corrupt length.
+MAX_TRUSTED_FRAME = 2**30
 MAX_DEPTH = 12
 MAX_TENSORS = 256
 MAX_ELEMENTS = 4_000_000  # per tensor
@@ -121,12 +125,15 @@ def _rebuild(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def decode(payload: bytes) -> dict[str, Any]:
-    """The message of a frame's payload; raises `ProtocolError` on anything unexpected."""
+def decode(payload: bytes, max_header: int = MAX_HEADER) -> dict[str, Any]:
+    """The message of a frame's payload; raises `ProtocolError` on anything unexpected.
+
+    ``max_header`` bounds the JSON header: `MAX_HEADER` for what a child sends, more only for
+    the grader's own frames (`read_trusted`)."""
     if len(payload) < _LEN.size:
         raise ProtocolError("a frame shorter than its header")
     (hlen,) = _LEN.unpack_from(payload)
-    if hlen > MAX_HEADER or _LEN.size + hlen > len(payload):
+    if hlen > max_header or _LEN.size + hlen > len(payload):
         raise ProtocolError("a header larger than allowed or than its frame")
     raw = payload[_LEN.size: _LEN.size + hlen]
     if json_depth(raw) > MAX_DEPTH:
@@ -220,8 +227,9 @@ def read_exact(fd: int, n: int) -> bytes:
 
 
 def read_trusted(fd: int) -> dict[str, Any]:
-    """A frame from the grader, read by the child (blocking)."""
+    """A frame from the grader, read by the child (blocking): held to `MAX_TRUSTED_FRAME`, not
+    to the bounds on what a child sends (the start message holds the notebook's whole code)."""
     (length,) = _LEN.unpack(read_exact(fd, _LEN.size))
-    if length > MAX_FRAME:
+    if length > MAX_TRUSTED_FRAME:
         raise ProtocolError("a frame larger than allowed")
-    return decode(read_exact(fd, length))
+    return decode(read_exact(fd, length), max_header=MAX_TRUSTED_FRAME)

@@ -46,6 +46,8 @@ from .policy import child_policy
 from .results import CheckResult
 from .sessions import Sessions
 
+# What a case's failure says when a name it needs was never defined (a failed import).
+_UNDEFINED = ("NameError", "ImportError", "ModuleNotFoundError", "defines no `")
 MAX_FLAGS = 200  # flag messages read from one notebook; more are ignored
 MAX_NOTES = 20
 MAX_NOTE = 300
@@ -100,6 +102,16 @@ class _Marks:
             if rule.reason not in self.case_flags[i]:
                 self.case_flags[i].append(rule.reason)
 
+    def _seen(self, rule: Rule, note: str) -> None:
+        """A forbidden import or call made outside every case (by a cell of the notebook's own,
+        or seen in its code): it failed, or never ran, and computed nothing for a case, whose
+        inputs come later. Noted, and remembered for the cases that fail for want of a name it
+        was to define (`_failed_imports`); the rest of the notebook is graded, as with a
+        comparison with torch's."""
+        if rule.id not in self.seen_rules:  # one note a rule: the scan's, or the cell's
+            self.result.note(note)
+            self.seen_rules.append(rule.id)
+
     def _on_flag(self, msg: dict[str, Any], during_cells: bool = False) -> None:
         self.flags_read += 1
         if self.flags_read > MAX_FLAGS:
@@ -120,12 +132,18 @@ class _Marks:
                     flags.append(reason)
         elif kind in self.rules:
             rule = self.rules[kind]
-            if during_cells and rule.kind != "module":
-                # A cell of the notebook's own (a comparison with torch, say): the call failed
-                # and can compute nothing for a case, whose inputs come later. Only a call made
-                # while a case runs voids it.
-                self.result.note(f"a cell of the notebook called {detail[:80]}, which this "
-                                 "assignment forbids; it did not run while grading")
+            if during_cells:
+                # A cell of the notebook's own (a comparison with torch's function or the
+                # book's, say): the call or import failed and can compute nothing for a case,
+                # whose inputs come later. Only a call made while a case runs voids it.
+                if rule.kind == "module":
+                    self._seen(rule, f"a cell of the notebook imported {detail[:80]}, which this "
+                                     "assignment forbids; the import failed while grading, so "
+                                     "a case whose code needs it loses its points; the rest is "
+                                     "graded")
+                else:
+                    self._seen(rule, f"a cell of the notebook called {detail[:80]}, which this "
+                                     "assignment forbids; it did not run while grading")
                 return
             self._void(rule, detail[:120])
 
@@ -144,14 +162,31 @@ class _Marks:
     def _judge(self, position: int, raw: dict[str, Any]) -> None:
         checker, _, spec = self.items[position]
         if raw["status"] == "missing":
-            self.outcome[position] = (f"the notebook defines no `{checker.target}` (after running "
-                                      "all its cells)", "")
+            hint: str | None = (f"the notebook defines no `{checker.target}` (after running all "
+                                "its cells)")
+        else:
+            try:
+                hint = checker.judge(spec, raw)
+            except Exception as exc:  # a result the judge cannot handle is the student's loss
+                hint = f"the result could not be compared ({type(exc).__name__})"
+        reasons = self._failed_imports(checker.name, raw)
+        if hint is not None and reasons:
+            # A name the forbidden import was to define is what the case lacked (the book's
+            # function as the solution, or called by it): the case is flagged, with its hint.
+            self.result.flag("reference used")
+            hint = f"{hint}; flagged: " + "; ".join(reasons) + " (not importable while grading)"
+            self.outcome[position] = (hint, "reference used")
             return
-        try:
-            hint = checker.judge(spec, raw)
-        except Exception as exc:  # a result the judge cannot handle is the student's loss
-            hint = f"the result could not be compared ({type(exc).__name__})"
         self.outcome[position] = (hint, "")
+
+    def _failed_imports(self, check: str, raw: dict[str, Any]) -> list[str]:
+        """The reasons of the forbidden imports seen outside every case (`_seen`) that apply to
+        the checker ``check``, when ``raw`` failed for want of a name; else none."""
+        if raw["status"] == "ok" or (raw["status"] != "missing" and not any(
+                m in str(raw.get("message", "")) for m in _UNDEFINED)):
+            return []
+        return [r.reason for r in self.assignment.rules_for(check)
+                if r.kind == "module" and r.id in self.seen_rules]
 
     def _finish(self, default: tuple[str, str]) -> SubmissionResult:
         by_checker: dict[str, CheckResult] = {}
@@ -186,6 +221,7 @@ class Grading(_Marks, Sessions):
         self.outcome: list[tuple[str | None, str] | None] = [None] * len(self.items)
         self.rules = {r.id: r for r in assignment.rules}
         self.flags_read = 0
+        self.seen_rules: list[str] = []  # forbidden imports or calls seen outside every case
         self.cpu_used = 0.0
         self.stalled = False  # a child waited past its wall-clock backstop
         self.data = b""
@@ -230,7 +266,12 @@ class Grading(_Marks, Sessions):
             return self._finish(default=(f"the notebook could not be read ({exc.reason})",
                                          "unreadable"))
         for rule_id in static_scan(self.sources, self.assignment.rules):
-            self._void(self.rules[rule_id], "seen in the notebook's code")
+            rule = self.rules[rule_id]
+            what = f"{rule.target}.{rule.qualname}" if rule.qualname else rule.target
+            fails = "cannot be imported" if rule.kind == "module" else "does not run"
+            self._seen(rule, f"the notebook's code imports {what}, which this assignment "
+                             f"forbids ({rule.reason}); it {fails} while grading, so a case "
+                             "whose code needs it loses its points; the rest is graded")
         shared = [i for i, (c, _, s) in enumerate(self.items) if c.isolated(s) is None]
         isolated = [i for i in range(len(self.items)) if i not in shared]
         position = 0

@@ -4,7 +4,14 @@
 process (fork, vfork, clone without ``CLONE_THREAD``; ``clone3`` answers ENOSYS so that the C
 library falls back to ``clone`` for threads), no exec, no socket, no ptrace or reading another
 process's memory, no signal to another process, no raising of a resource limit, no mounts,
-namespaces, io_uring, BPF, kernel keys or modules, and no leaving of its session (`DENIED`).
+namespaces, io_uring, BPF, kernel keys or modules, no System V IPC, and no leaving of its
+session (`DENIED`). Scheduling and priority (CPU affinity, policy, nice, I/O priority) may be
+set for the calling process only (`OWN_SCHEDULING`, ``setpriority`` and ``ioprio_set`` with
+``PRIO_PROCESS`` and 0 or its own pid): pid and ``which`` are C ints, so the low 32 bits of an
+argument, which classic BPF compares, are all the kernel reads of it. A thread named by its
+own tid (other than the main thread's) is refused too, since no tid is known when the filter
+is written; pid 0 (the calling thread) is what torch's start-up and OpenMP without
+``OMP_PROC_BIND`` use.
 x86-64 only; `seccomp_available` says whether this kernel filters system calls.
 """
 
@@ -48,7 +55,17 @@ DENIED = (
     "name_to_handle_at", "open_by_handle_at",
     # memory outside the address-space limit
     "memfd_create", "memfd_secret",
+    # System V IPC: its objects belong to no process and outlive the grader; shared between
+    # the children of a notebook they would carry state from one "fresh" process to the next
+    "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget",
+    "semop", "semtimedop", "semctl",
 )
+
+# Scheduling and priority calls whose first argument names the process (or thread) they
+# change: allowed on the calling process only (0, or its own pid), as `_filter` checks.
+OWN_SCHEDULING = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
+_PRIO_PROCESS = 0  # setpriority's "which": one process (not PRIO_PGRP, not PRIO_USER)
+_IOPRIO_WHO_PROCESS = 1  # ioprio_set's "which": one process (not a group, not a user)
 
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_BIT = 0x40000000
@@ -119,6 +136,10 @@ def _filter(pid: int) -> bytes:
     for name in ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"):
         p.jump("eq", _NR[name], "own_pid", 0)  # the first argument is the target's pid
     p.jump("eq", _NR["prlimit64"], "prlimit", 0)
+    for name in OWN_SCHEDULING:
+        p.jump("eq", _NR[name], "self", 0)  # the first argument is the target's pid
+    p.jump("eq", _NR["setpriority"], "setpriority", 0)
+    p.jump("eq", _NR["ioprio_set"], "ioprio_set", 0)
     for name in DENIED:
         p.jump("eq", _NR[name], "deny", 0)
     p.ret(_SECCOMP_RET_ALLOW)
@@ -134,6 +155,20 @@ def _filter(pid: int) -> bytes:
     p.jump("eq", 0, 0, "deny")
     p.load(arg + 20)
     p.jump("eq", 0, "allow", "deny")
+    p.label("setpriority")  # which = PRIO_PROCESS, who (args[1]) this process
+    p.load(arg)
+    p.jump("eq", _PRIO_PROCESS, "who", "deny")
+    p.label("ioprio_set")  # which = IOPRIO_WHO_PROCESS, who (args[1]) this process
+    p.load(arg)
+    p.jump("eq", _IOPRIO_WHO_PROCESS, "who", "deny")
+    p.label("who")
+    p.load(arg + 8)
+    p.jump("eq", 0, "allow", 0)
+    p.jump("eq", pid, "allow", "deny")
+    p.label("self")  # 0 (the calling thread) or this process's pid (its main thread)
+    p.load(arg)
+    p.jump("eq", 0, "allow", 0)
+    p.jump("eq", pid, "allow", "deny")
     p.label("allow")
     p.ret(_SECCOMP_RET_ALLOW)
     p.label("deny")

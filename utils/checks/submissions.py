@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import sanitize
 from .notebook_reading import UnreadableNotebook, _dict, read_notebook
 
 NOTEBOOK_SUFFIX = ".ipynb"
@@ -83,8 +84,10 @@ class Unplaced:
 
 
 def shown(name: str) -> str:
-    """``name`` on one line: a newline or another control character in a file name escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+    """``name`` on one line (`utils.checks.sanitize.line`): a newline, another control or
+    invisible character, or a byte that is not UTF-8 (``\\xe9`` of a Latin-1 name) in a file
+    name escaped."""
+    return sanitize.line(name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ _X86_64 = platform.machine() in ("x86_64", "AMD64") and sys.platform == "linux"
 _NR = {
     "socket": 41, "connect": 42, "accept": 43, "bind": 49, "listen": 50, "socketpair": 53,
     "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "kill": 62, "ptrace": 101,
+    "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66,
+    "shmdt": 67, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "setpriority": 141,
+    "sched_setparam": 142, "sched_setscheduler": 144, "sched_setaffinity": 203,
+    "semtimedop": 220, "ioprio_set": 251, "sched_setattr": 314,
     "syslog": 103, "setpgid": 109, "setsid": 112, "capset": 126, "rt_sigqueueinfo": 129,
     "personality": 135, "vhangup": 153, "pivot_root": 155, "adjtimex": 159, "setrlimit": 160,
     "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166,

@@ -153,7 +153,10 @@ def _run_model(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.
         later = _logits("your model", model, src, _perturb_last(tgt), mask, causal)
         other = torch.where(mask, src, torch.full_like(src, 3 + (VOCAB - 4)))
         padded = _logits("your model", model, other, tgt, mask, causal)
-    return base, later, padded
+        # every real source token replaced by the next symbol: a model must read its source
+        moved = torch.where(mask, 3 + (src - 3 + 1) % (VOCAB - 3), src)
+        source = _logits("your model", model, moved, tgt, mask, causal)
+    return base, later, padded, source
 
 
 def _run_train_step(obj: Any, spec: Spec, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,279 @@
+"""Bounds on what a child may do to the rest of the machine, and limits that are not polled away.
+
+Three hostile notebooks of assignment a1 (a right attention function otherwise), graded once in
+this process by a module-scoped fixture, so that this process is the grader:
+
+* one whose cells try to pin, renice and idle the grader, the zygote, its own parent and a
+  process of the same user without capabilities (CPU affinity, nice 19, ``SCHED_IDLE``; a
+  priority for a process group or a user): each call is refused, its own scheduling stays its
+  own to set, and the others' scheduling is unchanged after the run;
+* one that loads native code of its own (a shared object written to its scratch folder and
+  imported: the audit hook refuses ctypes, not this) to make System V shared memory, a message
+  queue and a semaphore set: every call is refused, and no IPC object is left;
+* one whose case floods its pipe to the grader with messages while it burns CPU far past its
+  limit: scored as a timeout, stopped soon after its limit, not accepted when it answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from hostile_submissions import _a1_with
+from notebooks import ROOT
+
+from utils.checks import ASSIGNMENTS, kernel
+from utils.checks.limits import Limits
+from utils.checks.sandbox import Grading
+from utils.checks.zygote_client import shared_zygote
+
+SOURCES = ROOT / "book" / "assignments"
+IPC_KEY = 0x7E570042  # the key of every System V object the hostile notebook tries to make
+CASE_S = 1.0
+
+pytestmark = pytest.mark.skipif(not kernel.support()[0], reason="needs Landlock and seccomp")
+
+
+def _notebook(cell: str, path: Path) -> Path:
+    nb = nbformat.read(SOURCES / "a1_attention.ipynb", as_version=4)
+    assert "### BEGIN SOLUTION" in nb.cells[3].source
+    nb.cells[3].source = cell
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.outputs, c.execution_count = [], None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def _without_capabilities() -> None:
+    if kernel._has_capabilities():
+        kernel.drop_privileges()
+
+
+def _scheduling(pid: int) -> tuple:
+    return (sorted(os.sched_getaffinity(pid)), os.getpriority(os.PRIO_PROCESS, pid),
+            os.sched_getscheduler(pid), os.sched_getparam(pid).sched_priority)
+
+
+# Calls on other processes: each must be refused, or the function answers wrongly (ACTED).
+_SCHEDULING = '''
+import os
+
+ONE_CPU = {min(os.sched_getaffinity(0))}
+CALLS = (
+    lambda p: os.sched_setaffinity(p, ONE_CPU),
+    lambda p: os.setpriority(os.PRIO_PROCESS, p, 19),
+    lambda p: os.sched_setscheduler(p, os.SCHED_IDLE, os.sched_param(0)),
+    lambda p: os.sched_setparam(p, os.sched_param(0)),
+)
+ACTED = []
+for target in (os.getppid(), GRADER, ZYGOTE, VICTIM):
+    for number, call in enumerate(CALLS):
+        try:
+            call(target)
+            ACTED.append((target, number))
+        except OSError:
+            pass
+# A process group or a user that holds no process (harmless if let through): refused, not
+# "no such process".
+for which, who in ((os.PRIO_PGRP, 2**22 + 7), (os.PRIO_USER, 65533)):
+    try:
+        os.setpriority(which, who, 19)
+        ACTED.append((which, who))
+    except PermissionError:
+        pass
+    except OSError:
+        ACTED.append((which, who))
+# Its own scheduling stays its own to set (as threading libraries do): none of these raises.
+os.sched_setaffinity(0, os.sched_getaffinity(0))
+os.sched_setaffinity(os.getpid(), os.sched_getaffinity(0))
+os.setpriority(os.PRIO_PROCESS, 0, 1)
+os.setpriority(os.PRIO_PROCESS, os.getpid(), 2)
+os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+'''
+
+# A shared object whose constructor makes System V IPC objects (run by importing it: the
+# import then fails for want of an init function, after the constructor has run).
+_PROBE_C = r'''
+#include <stdio.h>
+#include <errno.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#define KEY 0x7E570042L
+static long try_call(long r, int *err) { *err = r < 0 ? errno : 0; return r; }
+__attribute__((constructor)) static void probe(void) {
+    int e[4]; long r[4];
+    r[0] = try_call(syscall(SYS_shmget, KEY, 1L << 20, 01000 | 0600), &e[0]);
+    r[1] = try_call(syscall(SYS_msgget, KEY, 01000 | 0600), &e[1]);
+    r[2] = try_call(syscall(SYS_semget, KEY, 1L, 01000 | 0600), &e[2]);
+    r[3] = try_call(syscall(SYS_shmat, r[0] >= 0 ? r[0] : 0L, 0L, 0L), &e[3]);
+    FILE *f = fopen("ipc_probe.txt", "w");
+    if (!f) return;
+    for (int i = 0; i < 4; i++) fprintf(f, "%ld %d\n", r[i] < 0 ? -1L : 0L, e[i]);
+    fclose(f);
+}
+'''
+
+_IPC = '''
+import base64, importlib.util, os
+
+path = os.path.join(os.getcwd(), "ipc_probe.so")
+with open(path, "wb") as f:
+    f.write(base64.b64decode(PROBE))
+try:
+    importlib.util.module_from_spec(importlib.util.spec_from_file_location("ipc_probe", path))
+except ImportError:
+    pass  # no init function: its constructor has run
+with open("ipc_probe.txt") as f:
+    IPC = [tuple(map(int, line.split())) for line in f]
+ACTED = len(IPC) != 4 or any(r != -1 or e != 1 for r, e in IPC)  # refused: -1, EPERM
+'''
+
+# The first case keeps the grader's pipe busy (a listing of /proc, which sends a "blocked"
+# report, every 2 ms of CPU time) while it burns four times its CPU limit, then answers rightly.
+_FLOOD = f'''
+    if tuple(q.shape) == (2, 5, 8):
+        end = time.process_time() + {4 * CASE_S!r}
+        while time.process_time() < end:
+            tick = time.process_time() + 0.002
+            while time.process_time() < tick:
+                pass
+            try:
+                os.listdir("/proc")
+            except OSError:
+                pass
+'''
+
+
+def _sysv() -> dict[str, list[str]]:
+    """The System V IPC objects of the machine, keyed by kind (the header line left out)."""
+    out = {}
+    for kind in ("shm", "msg", "sem"):
+        try:
+            out[kind] = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+        except OSError:
+            out[kind] = []
+    return out
+
+
+def _ours(objects: dict[str, list[str]]) -> list[str]:
+    return [line for lines in objects.values() for line in lines
+            if line.split() and int(line.split()[0]) == IPC_KEY]
+
+
+def _remove_ours() -> None:
+    if shutil.which("ipcrm"):
+        for flag in ("-M", "-Q", "-S"):
+            subprocess.run(["ipcrm", flag, str(IPC_KEY)], capture_output=True, check=False)
+
+
+def _grade(path: Path, limits: Limits | None = None) -> tuple:
+    grading = Grading(path, ASSIGNMENTS["a1_attention"], limits or Limits(case_s=CASE_S))
+    start = time.monotonic()
+    result = grading.run()
+    return result, grading.cpu_used, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bounds")
+    zygote = shared_zygote()
+    zygote_pid = zygote.proc.pid if zygote is not None else os.getpid()
+    # A process of the same user that holds no capability, as every process of a grader run
+    # by an ordinary user is (as root, the kernel itself refuses a capless child's calls on the
+    # grader and the zygote, which hold capabilities it lacks).
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              preexec_fn=_without_capabilities)
+    watched = {"grader": os.getpid(), "zygote": zygote_pid, "victim": victim.pid}
+    before = {name: _scheduling(pid) for name, pid in watched.items()}
+    ipc_before = _sysv()
+    out: dict = {"before": before, "ipc_before": ipc_before}
+
+    cell = _SCHEDULING.replace("GRADER", str(os.getpid())).replace(
+        "ZYGOTE", str(zygote_pid)).replace("VICTIM", str(victim.pid))
+    out["scheduling"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
+                                         base / "scheduling" / "a1_attention.ipynb"))
+    out["after"] = {name: _scheduling(pid) for name, pid in watched.items()}
+    out["zygote_alive"] = zygote is None or zygote.proc.poll() is None
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is not None:
+        src = base / "ipc_probe.c"
+        src.write_text(_PROBE_C)
+        so = base / "ipc_probe.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(so), str(src)], check=True)
+        cell = _IPC.replace("PROBE", repr(base64.b64encode(so.read_bytes()).decode("ascii")))
+        out["ipc"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
+                                      base / "ipc" / "a1_attention.ipynb"))
+    out["ipc_after"] = _sysv()
+
+    out["flood"] = _grade(_notebook(_a1_with("import os, time", _FLOOD),
+                                    base / "flood" / "a1_attention.ipynb"))
+    yield out
+    victim.kill()
+    victim.wait()
+    _remove_ours()
+    with contextlib.suppress(OSError):  # what a failed run did to this process, undone where
+        affinity, nice, policy, priority = before["grader"]  # this process may undo it
+        os.sched_setaffinity(0, affinity)
+        os.sched_setscheduler(0, policy, os.sched_param(priority))
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduling: only one's own
+
+
+def test_calls_on_other_processes_scheduling_are_refused(graded):
+    result, _, _ = graded["scheduling"]
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_the_graders_zygotes_and_other_processes_scheduling_are_unchanged(graded):
+    assert graded["after"] == graded["before"]
+    assert graded["zygote_alive"]
+
+
+# --------------------------------------------------------------------------------------------
+# System V IPC: none at all
+
+
+def test_native_code_can_make_no_system_v_ipc_object(graded):
+    if "ipc" not in graded:
+        pytest.skip("no C compiler to build the probe")
+    result, _, _ = graded["ipc"]
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_no_ipc_object_is_left(graded):
+    assert _ours(graded["ipc_after"]) == []
+    assert graded["ipc_after"] == graded["ipc_before"]
+
+
+# --------------------------------------------------------------------------------------------
+# Limits checked on a fixed period, and again on a result
+
+
+def test_a_case_that_floods_its_pipe_past_its_cpu_limit_is_a_timeout(graded):
+    result, _, _ = graded["flood"]
+    failed = [c for check in result.checks for c in check.cases if not c.passed]
+    assert len(failed) == 1 and "CPU time" in failed[0].hint, [c.hint for c in failed]
+    assert failed[0].flag == "timeout"
+    assert result.points == 10.0 - failed[0].max_points
+    assert sorted(result.flags) == ["blocked", "timeout"]
+
+
+def test_the_flooding_case_is_stopped_soon_after_its_limit(graded):
+    _, cpu_used, _ = graded["flood"]
+    # The case alone would burn 4 s; stopped at 1 s (+ a poll), the notebook's children
+    # together use well under 2.5 s.
+    assert cpu_used < 2.5 * CASE_S, cpu_used
