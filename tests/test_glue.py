@@ -97,6 +97,17 @@ def test_every_pasted_key_is_glued_and_every_glued_key_pasted(path):
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=IDS)
+def test_no_key_is_glued_twice(path):
+    """myst-nb warns on a key glued twice in one notebook (the book's build allows no warning),
+    and the prose would paste whichever value came last."""
+    names = [output["metadata"]["scrapbook"]["name"] for cell in _cells(path)
+             for output in cell.get("outputs", [])
+             if output.get("metadata", {}).get("scrapbook") is not None]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"keys glued more than once: {twice}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=IDS)
 def test_glued_values_are_hidden(path):
     shown = [
         key

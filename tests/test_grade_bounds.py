@@ -1,6 +1,6 @@
 """Bounds on what a child may do to the rest of the machine, and limits that are not polled away.
 
-Three hostile notebooks of assignment a1 (a right attention function otherwise), graded once in
+Four hostile notebooks of assignment a1 (a right attention function otherwise), graded once in
 this process by a module-scoped fixture, so that this process is the grader:
 
 * one whose cells try to pin, renice and idle the grader, the zygote, its own parent and a
@@ -10,6 +10,9 @@ this process by a module-scoped fixture, so that this process is the grader:
 * one that loads native code of its own (a shared object written to its scratch folder and
   imported: the audit hook refuses ctypes, not this) to make System V shared memory, a message
   queue and a semaphore set: every call is refused, and no IPC object is left;
+* one that changes the mode, owner, times and extended attributes of a file outside its
+  scratch folder (a child run as uid 0 without capabilities owns every root-owned file): each
+  call is refused and the file is unchanged;
 * one whose case floods its pipe to the grader with messages while it burns CPU far past its
   limit: scored as a timeout, stopped soon after its limit, not accepted when it answers.
 """
@@ -99,6 +102,27 @@ os.sched_setaffinity(os.getpid(), os.sched_getaffinity(0))
 os.setpriority(os.PRIO_PROCESS, 0, 1)
 os.setpriority(os.PRIO_PROCESS, os.getpid(), 2)
 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+'''
+
+# A file outside the scratch folder, owned by the grader's user, which the child can neither
+# read nor write (Landlock) but would own: its mode, owner, times and extended attributes must
+# stay as they are. Each call must be refused, or the function answers wrongly (ACTED).
+_ATTRIBUTES = '''
+import os
+
+ACTED = []
+for name, call in (
+    ("chmod", lambda: os.chmod(VICTIM_FILE, 0o4777)),
+    ("chown", lambda: os.chown(VICTIM_FILE, os.getuid(), os.getgid())),
+    ("utime", lambda: os.utime(VICTIM_FILE, (0, 0))),
+    ("setxattr", lambda: os.setxattr(VICTIM_FILE, "user.graded", b"1")),
+    ("chmod in scratch", lambda: (open("mine", "w").close(), os.chmod("mine", 0o4755))),
+):
+    try:
+        call()
+        ACTED.append(name)
+    except OSError:
+        pass
 '''
 
 # A shared object whose constructor makes System V IPC objects (run by importing it: the
@@ -205,6 +229,21 @@ def graded(tmp_path_factory):
     out["after"] = {name: _scheduling(pid) for name, pid in watched.items()}
     out["zygote_alive"] = zygote is None or zygote.proc.poll() is None
 
+    victim_file = base / "outside" / "victim.txt"
+    victim_file.parent.mkdir()
+    victim_file.write_text("not the child's")
+    victim_file.chmod(0o644)
+    os.utime(victim_file, (1_000_000_000, 1_000_000_000))
+    out["file_before"] = os.stat(victim_file)
+    cell = _ATTRIBUTES.replace("VICTIM_FILE", repr(str(victim_file)))
+    out["attributes"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
+                                         base / "attributes" / "a1_attention.ipynb"))
+    out["file_after"] = os.stat(victim_file)
+    try:
+        out["xattrs_after"] = os.listxattr(victim_file)
+    except OSError:  # a file system without extended attributes
+        out["xattrs_after"] = []
+
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is not None:
         src = base / "ipc_probe.c"
@@ -241,6 +280,22 @@ def test_calls_on_other_processes_scheduling_are_refused(graded):
 def test_the_graders_zygotes_and_other_processes_scheduling_are_unchanged(graded):
     assert graded["after"] == graded["before"]
     assert graded["zygote_alive"]
+
+
+# --------------------------------------------------------------------------------------------
+# Files outside the scratch folder: no mode, owner, time or attribute changed
+
+
+def test_changing_a_files_mode_owner_times_or_attributes_is_refused(graded):
+    result, _, _ = graded["attributes"]
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_the_file_outside_the_scratch_folder_is_unchanged(graded):
+    before, after = graded["file_before"], graded["file_after"]
+    fields = ("st_mode", "st_uid", "st_gid", "st_mtime", "st_atime")
+    assert [getattr(after, f) for f in fields] == [getattr(before, f) for f in fields]
+    assert "user.graded" not in graded["xattrs_after"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@
 process (fork, vfork, clone without ``CLONE_THREAD``; ``clone3`` answers ENOSYS so that the C
 library falls back to ``clone`` for threads), no exec, no socket, no ptrace or reading another
 process's memory, no signal to another process, no raising of a resource limit, no mounts,
-namespaces, io_uring, BPF, kernel keys or modules, no System V IPC, and no leaving of its
-session (`DENIED`). Scheduling and priority (CPU affinity, policy, nice, I/O priority) may be
-set for the calling process only (`OWN_SCHEDULING`, ``setpriority`` and ``ioprio_set`` with
+namespaces, io_uring, BPF, kernel keys or modules, no System V IPC, no change to a file's
+mode, owner, times or extended attributes, no inotify, and no leaving of its session
+(`DENIED`). Scheduling and priority (CPU affinity, policy, nice, I/O priority) may be set for
+the calling process only (`OWN_SCHEDULING`, ``setpriority`` and ``ioprio_set`` with
 ``PRIO_PROCESS`` and 0 or its own pid): pid and ``which`` are C ints, so the low 32 bits of an
 argument, which classic BPF compares, are all the kernel reads of it. A thread named by its
 own tid (other than the main thread's) is refused too, since no tid is known when the filter
@@ -59,6 +60,13 @@ DENIED = (
     # the children of a notebook they would carry state from one "fresh" process to the next
     "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget",
     "semop", "semtimedop", "semctl",
+    # files the child owns outside its scratch folder (run as uid 0 without capabilities, it
+    # owns every root-owned file; Landlock does not cover these): modes, owners, times, extended
+    # attributes; and watching folders it cannot read
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
+    "utime", "utimes", "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr",
+    "setxattrat", "removexattr", "lremovexattr", "fremovexattr", "removexattrat",
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
 )
 
 # Scheduling and priority calls whose first argument names the process (or thread) they

@@ -53,6 +53,12 @@ _NR = {
     "clone3": 435, "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442,
     "landlock_create_ruleset": 444, "landlock_add_rule": 445, "landlock_restrict_self": 446,
     "memfd_secret": 447, "process_mrelease": 448,
+    "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "utime": 132,
+    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197,
+    "lremovexattr": 198, "fremovexattr": 199, "utimes": 235, "inotify_init": 253,
+    "inotify_add_watch": 254, "fchownat": 260, "futimesat": 261, "fchmodat": 268,
+    "utimensat": 280, "inotify_init1": 294, "fanotify_mark": 301, "fchmodat2": 452,
+    "setxattrat": 463, "removexattrat": 466,
 }
 
 _PR_SET_PDEATHSIG = 1
