@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import nbformat
@@ -18,14 +19,18 @@ SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 
 
 def write_submission(notebook: Path, submitted: Path, student: str, cells: dict[int, str],
-                     solution_cells: bool = True) -> None:
+                     solution_cells: bool = True,
+                     inserted: Iterable[tuple[int, str]] = ()) -> None:
     """``notebook`` with ``cells`` (index -> source) replaced, unexecuted, as ``student``'s
-    submission; ``solution_cells``: each replaced cell must be one the student fills in."""
+    submission; ``solution_cells``: each replaced cell must be one the student fills in;
+    ``inserted``: new code cells (index in the notebook as handed out, source) added after."""
     nb = nbformat.read(notebook, as_version=4)
     for index, source in cells.items():
         if solution_cells:
             assert "### BEGIN SOLUTION" in nb.cells[index].source, (student, index)
         nb.cells[index].source = source
+    for index, source in sorted(inserted, reverse=True):
+        nb.cells.insert(index, nbformat.v4.new_code_cell(source))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None

@@ -161,7 +161,7 @@ def scaled_dot_product_attention(q, k, v, mask=None):
     return out.reshape(*lead, q.shape[-2], v.shape[-1]), weights
 '''
 
-LN_HEAD = '''
+LN_INIT = '''
 class LayerNorm(nn.Module):
     def __init__(self, d_model, eps=1e-5):
         super().__init__()
@@ -170,7 +170,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_model))
 
     def forward(self, x):
-        shape = x.shape
+'''
+LN_HEAD = LN_INIT + '''        shape = x.shape
         rows = x.reshape(1, -1, shape[-1])  # batch norm's channels: the rows
 '''
 # Another overload of an operator the rules list (_native_batch_norm_legit).
@@ -209,28 +210,10 @@ class _Norm(torch.autograd.Function):
             grad, x, [x.shape[-1]], mean, rstd, None, None, [True, False, False])[0]
         return gx, None
 
-
-class LayerNorm(nn.Module):
-    def __init__(self, d_model, eps=1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
-        self.bias = nn.Parameter(torch.zeros(d_model))
-
-    def forward(self, x):
-        return _Norm.apply(x, self.eps) * self.weight + self.bias
+''' + LN_INIT + '''        return _Norm.apply(x, self.eps) * self.weight + self.bias
 '''
 # A Python helper that only the forbidden operator's reference uses.
-A4_HELPER = '''
-class LayerNorm(nn.Module):
-    def __init__(self, d_model, eps=1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
-        self.bias = nn.Parameter(torch.zeros(d_model))
-
-    def forward(self, x):
-        import torch._refs as refs
+A4_HELPER = LN_INIT + '''        import torch._refs as refs
 
         return refs._normalize(x, [x.dim() - 1], self.eps)[0] * self.weight + self.bias
 '''

@@ -18,9 +18,8 @@ import threading
 import time
 import types
 
-import nbformat
 import pytest
-from assignment_grading import grade
+from assignment_grading import grade, write_submission
 from grading_submissions import A1_RIGHT
 from notebooks import ROOT
 
@@ -121,26 +120,13 @@ STUDENTS = {
 }
 
 
-def _write(submitted, student, solution, extra):
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    assert "### BEGIN SOLUTION" in nb.cells[SOLUTION].source
-    nb.cells[SOLUTION].source = solution
-    for index, source in sorted(extra, reverse=True):
-        nb.cells.insert(index, nbformat.v4.new_code_cell(source))
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    where = submitted / student / NOTEBOOK.stem
-    where.mkdir(parents=True)
-    nbformat.write(nb, where / NOTEBOOK.name)
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """Every notebook above graded in one command-line run: (rows, feedback by student)."""
     base = tmp_path_factory.mktemp("honest")
     for student, (solution, extra) in STUDENTS.items():
-        _write(base / "in", student, solution, extra)
+        write_submission(NOTEBOOK, base / "in", student, {SOLUTION: solution},
+                         inserted=extra)
     grade(base / "in", base / "out", "--case-timeout", "2", "--cells-timeout", "20")
     with open(base / "out" / "grades.csv", newline="") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
