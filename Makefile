@@ -159,7 +159,7 @@ grade: $(GRADE_STAMP)
 	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)
 
 lint: venv
-	$(VENV)/bin/ruff check utils tests scripts book conftest.py
+	$(VENV)/bin/ruff check utils grader tests scripts book conftest.py
 
 clean:
 	rm -rf _build

@@ -7,7 +7,7 @@ SUBMITTED is nbgrader's layout, SUBMITTED/<student>/<assignment>/<notebook>.ipyn
 SUBMITTED/<student>/<notebook>.ipynb. Which assignment a notebook is comes from its metadata (the
 handed-out notebooks carry it), its nbgrader cell ids, its file name (forgiving: "A1_Attention
 (1).ipynb" and "a1_attention-Copy1.ipynb" are a1_attention) or its folder
-(`utils.checks.submissions`). A student with several notebooks for one assignment is graded on
+(`grader.submissions`). A student with several notebooks for one assignment is graded on
 the newest; the others are named in the feedback. Writes DIR/grades.csv (one row per student and
 assignment: score, max_score, the points of every case, written_max, flags; and one row per
 handed-in notebook that could not be placed, with the reason in its flags),
@@ -43,23 +43,17 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-from utils.checks import (  # noqa: E402
-    ASSIGNMENTS,
-    kernel,
-    sandbox,
-    sanitize,
-    submissions,
-    zygote_client,
-)
-from utils.checks.limits import Limits  # noqa: E402
-from utils.checks.notebook_reading import (  # noqa: E402
+from grader import kernel, sandbox, sanitize, submissions, zygote_client  # noqa: E402
+from grader.limits import Limits  # noqa: E402
+from grader.notebook_reading import (  # noqa: E402
     MAX_NOTEBOOK_BYTES,
     UnreadableNotebook,
     read_notebook,
 )
+from grader.sandbox import SubmissionResult, grade_notebook  # noqa: E402
+from grader.submissions import Placed, Unplaced  # noqa: E402
+from utils.checks import ASSIGNMENTS  # noqa: E402
 from utils.checks.results import CheckResult  # noqa: E402
-from utils.checks.sandbox import SubmissionResult, grade_notebook  # noqa: E402
-from utils.checks.submissions import Placed, Unplaced  # noqa: E402
 
 SOURCES = ROOT / "book" / "assignments"
 ANSWER_STUB = "YOUR ANSWER HERE"
@@ -75,7 +69,7 @@ def find_submissions(folder: Path,
                                                                        list[Unplaced]]:
     """(placed, unplaced): every handed-in notebook in ``folder``, one `Placed` per student and
     assignment, and every notebook that cannot be graded with the reason
-    (`utils.checks.submissions.find_submissions`)."""
+    (`grader.submissions.find_submissions`)."""
     return submissions.find_submissions(folder, names)
 
 

@@ -105,7 +105,7 @@ def insecure_cost(work: Path) -> tuple[float, float, int]:
     confined, rows_on, out_on = grade(sample, work / "out-on", "--jobs", "1")
     env_script = (
         "import sys, runpy; sys.argv = sys.argv[1:];"
-        "import utils.checks.kernel as k; k.support = lambda: (False, 'switched off');"
+        "import grader.kernel as k; k.support = lambda: (False, 'switched off');"
         "runpy.run_path(sys.argv[0], run_name='__main__')")
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-c", env_script, str(SCRIPT), str(sample), "--out",

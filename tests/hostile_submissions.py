@@ -279,7 +279,7 @@ for _ in range(100_000):  # 100 MB of prints, past the file-size limit
                 os.write(w, b"\\0" * 4096)
         except BlockingIOError:
             pass
-        from utils.checks.protocol import write_frame
+        from grader.protocol import write_frame
         write_frame(out, {"op": "result", "id": msg["id"],
                           "raw": {"status": "call", "message": "x", "tensors": {}, "notes": []}})
         time.sleep(10**6)
@@ -393,7 +393,7 @@ def fake(obj, spec, timeout=None):  # claims outputs equal to... whatever it can
     return {"status": "ok", "message": "", "notes": [],
             "tensors": {"out:output": torch.zeros_like(q), "out:weights": torch.zeros(1)}}
 core.guarded_exercise = fake
-sys.modules["utils.checks.child"].guarded_exercise = fake
+sys.modules["grader.child"].guarded_exercise = fake
 def scaled_dot_product_attention(q, k, v, mask=None):
     return q, k
 '''}, "zero"),

@@ -7,14 +7,18 @@ limit, or a piece that starts importing a stack, fails here with the place to lo
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from notebooks import ROOT
 
 UTILS = ROOT / "utils"
+GRADER = ROOT / "grader"  # the assignments' grader, a package of its own beside the library
 MODULE_LINES = 500  # any module of the library
-CHECKER_LINES = 400  # any module of the grader, utils/checks/: the checkers and their core
+CHECKER_LINES = 400  # any module of the checkers (utils/checks/) or of the grader (grader/)
+PACKAGES = ("utils", "grader")  # the imports that this file follows
 CLASS_LINES = 120  # any class, from its first decorator to its last line
 
 # Each module of the library sits on one level and imports only from its own level or below.
@@ -36,10 +40,16 @@ LEVELS = {
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
     "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
 }
-LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the grader"]
+LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the checkers",
+               "the grader"]
 
 
 def _modules() -> list[Path]:
+    """Every module of the library and of the grader."""
+    return sorted(UTILS.rglob("*.py")) + sorted(GRADER.rglob("*.py"))
+
+
+def _library() -> list[Path]:
     return sorted(UTILS.rglob("*.py"))
 
 
@@ -49,14 +59,14 @@ def _name(path: Path) -> str:
 
 
 def _imports(path: Path, package: str | None = None) -> set[str]:
-    """Every utils module that ``path`` imports, at the top or inside a function; ``package``
-    is the one its relative imports start from (by default, the one it is in)."""
+    """Every utils or grader module that ``path`` imports, at the top or inside a function;
+    ``package`` is the one its relative imports start from (by default, the one it is in)."""
     if package is None:
         package = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "utils"}
+            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -64,7 +74,7 @@ def _imports(path: Path, package: str | None = None) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            if module.split(".")[0] != "utils":
+            if module.split(".")[0] not in PACKAGES:
                 continue
             # `from . import x` and `from .pkg import mod` may name modules, not attributes.
             for alias in node.names:
@@ -79,15 +89,17 @@ def _is_module(name: str) -> bool:
 
 
 def _level(name: str) -> int | None:
+    if name == "grader" or name.startswith("grader."):
+        return 5  # the grader: may use anything, and nothing of the library may use it
     if name == "utils.checks" or name.startswith("utils.checks."):
-        return 4  # the grader: may use anything, and nothing below may use it
+        return 4  # the checkers: may use the library, and no other module of it uses them
     return LEVELS.get(name)
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_are_small(path):
     lines = len(path.read_text().splitlines())
-    limit = CHECKER_LINES if path.parent == UTILS / "checks" else MODULE_LINES
+    limit = CHECKER_LINES if path.parent in (UTILS / "checks", GRADER) else MODULE_LINES
     assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines (at most {limit}): split it"
 
 
@@ -110,7 +122,8 @@ def test_every_library_module_has_a_level():
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_go_down_only(path):
-    """The library never imports the grader, pieces know no stacks, stacks know no models."""
+    """The library never imports the checkers or the grader, the checkers never import the
+    grader, pieces know no stacks, stacks know no models."""
     name = _name(path)
     mine = _level(name)
     if mine is None:
@@ -130,3 +143,55 @@ def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     found = _imports(fake, package="utils")
     assert found == {"utils.masks", "utils.checks.core", "utils.models"}, found
     assert max(_level(m) for m in found) == 4
+
+
+def _grader_imports(path: Path, package: str | None = None) -> list[str]:
+    return sorted(m for m in _imports(path, package) if m == "grader" or m.startswith("grader."))
+
+
+@pytest.mark.parametrize("path", _library(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_library_never_imports_the_grader(path):
+    """Nothing under utils/ (the checkers included) imports the grader, at the top or in a
+    function: a reader who opens the library finds the book's code, not the sandbox."""
+    found = _grader_imports(path)
+    assert not found, f"{path.relative_to(ROOT)} imports the grader: {found}"
+
+
+def test_the_grader_is_its_own_package():
+    """grader/ is a package beside utils/, installed with it, and utils/checks holds none of
+    its machinery."""
+    assert (GRADER / "__init__.py").is_file()
+    for name in ("sandbox", "child", "zygote", "kernel", "landlock", "seccomp", "protocol"):
+        assert (GRADER / f"{name}.py").is_file(), name
+        assert not (UTILS / "checks" / f"{name}.py").exists(), name
+    assert 'packages = ["utils", "grader"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_boundary_test_sees_an_import_of_the_grader(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("import grader.sandbox\n\n\ndef f():\n    from grader import kernel\n"
+                    "    from utils.checks import core\n")
+    assert _grader_imports(fake, package="utils") == ["grader.kernel", "grader.sandbox"]
+    relative = tmp_path / "relative.py"
+    relative.write_text("from . import protocol\nfrom .kernel import landlock\n")
+    found = _imports(relative, package="grader")
+    assert found == {"grader.protocol", "grader.kernel"}, found
+    assert min(_level(m) for m in found) == 5
+
+
+def test_a_notebook_check_loads_nothing_of_the_grader():
+    """What a notebook runs, ``from utils.checks import check_...`` and the check itself, loads
+    no module of the grader (run in a fresh interpreter)."""
+    code = (
+        "import sys, torch\n"
+        "from utils import checks\n"
+        "from utils.attention import scaled_dot_product_attention\n"
+        "for name in checks.__all__:\n"
+        "    getattr(checks, name)\n"
+        "checks.check_scaled_dot_product_attention(scaled_dot_product_attention, verbose=False)\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'grader')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "", f"a notebook's check loaded the grader: {run.stdout}"

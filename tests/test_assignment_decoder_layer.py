@@ -17,6 +17,7 @@ from grading_submissions import torch_layer
 from notebooks import ROOT
 from torch import nn
 
+from grader.scan import static_scan
 from utils.attention import MultiHeadAttention
 from utils.checks import ASSIGNMENTS, CheckResult, check_decoder_layer
 from utils.checks.a7_decoder_layer import (
@@ -26,7 +27,6 @@ from utils.checks.a7_decoder_layer import (
     decoder_layer,
 )
 from utils.checks.core import guarded_exercise
-from utils.checks.guard import static_scan
 from utils.layers import LayerNorm
 
 NOTEBOOK = ROOT / "book" / "assignments" / "a7_decoder_layer.ipynb"

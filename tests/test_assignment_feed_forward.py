@@ -18,6 +18,7 @@ from assignment_grading import grade, write_submission
 from notebooks import ROOT
 from torch import nn
 
+from grader.scan import static_scan
 from utils.checks import CheckResult, check_swiglu_feed_forward, check_top_k_moe
 from utils.checks.a5_feed_forward import (
     ASSIGNMENT,
@@ -27,7 +28,6 @@ from utils.checks.a5_feed_forward import (
     swiglu_ffn,
     top_k_moe,
 )
-from utils.checks.guard import static_scan
 from utils.layers import MixtureOfExperts, PositionwiseFeedForward
 
 # ---------------------------------------------------------------------------------------------

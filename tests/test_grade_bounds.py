@@ -33,10 +33,11 @@ import pytest
 from hostile_submissions import _a1_with
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, kernel
-from utils.checks.limits import Limits
-from utils.checks.sandbox import Grading
-from utils.checks.zygote_client import shared_zygote
+from grader import kernel
+from grader.limits import Limits
+from grader.sandbox import Grading
+from grader.zygote_client import shared_zygote
+from utils.checks import ASSIGNMENTS
 
 SOURCES = ROOT / "book" / "assignments"
 IPC_KEY = 0x7E570042  # the key of every System V object the hostile notebook tries to make

@@ -20,8 +20,8 @@ import nbformat
 import pytest
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, notebook_reading
-from utils.checks.notebook_reading import (
+from grader import notebook_reading
+from grader.notebook_reading import (
     MAX_NOTEBOOK_BYTES,
     UnreadableNotebook,
     code_cells,
@@ -29,9 +29,10 @@ from utils.checks.notebook_reading import (
     read_notebook,
     read_notebook_bytes,
 )
+from grader.sandbox import SubmissionResult
+from grader.submissions import Placed, assignment_of, find_submissions, name_match
+from utils.checks import ASSIGNMENTS
 from utils.checks.results import CheckResult
-from utils.checks.sandbox import SubmissionResult
-from utils.checks.submissions import Placed, assignment_of, find_submissions, name_match
 
 NAMES = list(ASSIGNMENTS)
 

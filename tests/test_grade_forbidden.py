@@ -17,11 +17,11 @@ import torch
 from assignment_grading import grade, write_submission
 from notebooks import ROOT
 
+from grader.poison import family_words, operator_family
+from grader.policy import child_policy
 from utils.checks import ASSIGNMENTS
 from utils.checks.a8_judges import judge_model
 from utils.checks.a8_train import CHECKER as A8_CHECKER
-from utils.checks.poison import family_words, operator_family
-from utils.checks.policy import child_policy
 from utils.checks.training_task import VOCAB
 
 NOTEBOOKS = ROOT / "book" / "assignments"

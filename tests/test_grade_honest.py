@@ -23,7 +23,8 @@ from assignment_grading import grade, write_submission
 from grading_submissions import A1_RIGHT
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, protocol
+from grader import protocol
+from utils.checks import ASSIGNMENTS
 
 NOTEBOOK = ROOT / "book" / "assignments" / "a1_attention.ipynb"
 SOLUTION = 3  # the solution cell of assignment 1
@@ -228,7 +229,7 @@ def _write_all(fd, data):
 
 @pytest.fixture
 def shell(tmp_path, monkeypatch):
-    from utils.checks import ipython_shell as child
+    from grader import ipython_shell as child
 
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType("__main__")

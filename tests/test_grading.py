@@ -16,7 +16,7 @@ import pytest
 from grading_submissions import SUBMISSIONS, write_submissions
 from notebooks import ROOT
 
-from utils.checks import zygote_client
+from grader import zygote_client
 
 SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 _spec = importlib.util.spec_from_file_location("grade_assignments", SCRIPT)
@@ -206,7 +206,7 @@ def test_the_zygote_kills_and_reaps_its_children(tmp_path):
     stops; the zygote is single-threaded (it refuses to start otherwise). Where the kernel can,
     it collapses its memory into huge pages before its `COLLAPSE_AFTER`-th fork (so that each
     later fork copies few page tables), and not before."""
-    from utils.checks.zygote import COLLAPSE_AFTER
+    from grader.zygote import COLLAPSE_AFTER
 
     zygote = zygote_client.Zygote()
     fds = []
@@ -244,7 +244,7 @@ def test_the_zygote_kills_and_reaps_its_children(tmp_path):
 def test_the_zygote_keeps_matplotlib_s_font_list_in_a_lasting_folder(tmp_path, monkeypatch):
     """matplotlib builds its font list on first import, 2 to 3 s in a fresh folder: the zygote
     reads it from a folder of the grader's user, and its children get no trace of that."""
-    from utils.checks import zygote
+    from grader import zygote
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     env = zygote_client._matplotlib_cache()

@@ -1,4 +1,4 @@
-"""The grader's outputs against any string: `utils.checks.sanitize`, and the output stage of
+"""The grader's outputs against any string: `grader.sanitize`, and the output stage of
 scripts/grade_assignments.py on made-up results (no notebook is run here).
 
 Every string from a child, a notebook or the file system reaches grades.csv, the feedback, the
@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, guard, kernel, sanitize, zygote_client
-from utils.checks.children import remove_tree
+from grader import kernel, sanitize, scan, zygote_client
+from grader.children import remove_tree
+from grader.sandbox import SubmissionResult
+from grader.submissions import Placed, shown
+from utils.checks import ASSIGNMENTS
 from utils.checks.results import CheckResult
-from utils.checks.sandbox import SubmissionResult
-from utils.checks.submissions import Placed, shown
 
 _spec = importlib.util.spec_from_file_location("grade_assignments",
                                                ROOT / "scripts" / "grade_assignments.py")
@@ -325,8 +326,8 @@ def test_the_static_scan_still_sees_imports_in_an_honest_200_kb_notebook():
     cells = ["".join(filler.format(i) for i in range(j * 1000, (j + 1) * 1000))
              for j in range(5)]
     cells.append("from utils.attention import scaled_dot_product_attention as ref\n")
-    assert 150_000 < sum(len(c) for c in cells) < guard.SCAN_BYTES
-    assert guard.static_scan(cells, rules) == ["module:utils.attention:"]
+    assert 150_000 < sum(len(c) for c in cells) < scan.SCAN_BYTES
+    assert scan.static_scan(cells, rules) == ["module:utils.attention:"]
 
 
 def test_the_static_scan_never_grows_the_grader(monkeypatch):
@@ -335,12 +336,12 @@ def test_the_static_scan_never_grows_the_grader(monkeypatch):
     rules = ASSIGNMENTS["a1_attention"].rules
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()
-    huge = ["f(a)\n" * (guard.SCAN_BYTES // 5 + 1) + "import utils.attention\n"]
-    assert guard.scan_imports(huge) is None and guard.static_scan(huge, rules) == []
+    huge = ["f(a)\n" * (scan.SCAN_BYTES // 5 + 1) + "import utils.attention\n"]
+    assert scan.scan_imports(huge) is None and scan.static_scan(huge, rules) == []
     assert time.monotonic() - start < 1
-    monkeypatch.setattr(guard, "SCAN_MEMORY", 96 * 2**20)  # the same cut, sooner
+    monkeypatch.setattr(scan, "SCAN_MEMORY", 96 * 2**20)  # the same cut, sooner
     dense = ["import utils.attention\n", "f(a)\n" * 150_000]
-    assert guard.scan_imports(dense) == [("utils.attention", [])]  # the cell it could parse
+    assert scan.scan_imports(dense) == [("utils.attention", [])]  # the cell it could parse
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown < 64 * 1024, grown  # KiB
 

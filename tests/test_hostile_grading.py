@@ -32,13 +32,15 @@ from hostile_submissions import (
 )
 from notebooks import ROOT
 
-from utils.checks import ASSIGNMENTS, kernel, sanitize
-from utils.checks.limits import Limits
-from utils.checks.sandbox import grade_notebook
+from grader import kernel, sanitize
+from grader.limits import Limits
+from grader.sandbox import grade_notebook
+from utils.checks import ASSIGNMENTS
 
 SCRIPT = ROOT / "scripts" / "grade_assignments.py"
 SOURCES = ROOT / "book" / "assignments"
-GUARDED = [*sorted((ROOT / "utils").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+GUARDED = [*sorted((ROOT / "utils").rglob("*.py")), *sorted((ROOT / "grader").glob("*.py")),
+           *sorted((ROOT / "scripts").glob("*.py")),
            *sorted(SOURCES.glob("*.ipynb"))]
 
 # The grader's command line, reporting its own peak memory (in KiB) when it exits.
@@ -369,7 +371,7 @@ def test_without_landlock_or_seccomp_the_grader_refuses_unless_insecure(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--insecure" in err and "lacks Landlock" in err
     assert not (tmp_path / "out").exists()
-    from utils.checks import sandbox
+    from grader import sandbox
     monkeypatch.setattr(sandbox, "insecure", False)
     assert script.main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--quiet",
                         "--insecure"]) == 0

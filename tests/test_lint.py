@@ -1,4 +1,5 @@
-"""The library, the tests, the scripts and the notebooks' code pass ruff (settings in pyproject)."""
+"""The library, the grader, the tests, the scripts and the notebooks' code pass ruff (settings in
+pyproject)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from conftest import ROOT
 def test_ruff_clean():
     ruff = Path(sys.executable).parent / "ruff"
     proc = subprocess.run(
-        [str(ruff), "check", "--no-cache", "utils", "tests", "scripts", "book", "conftest.py"],
+        [str(ruff), "check", "--no-cache", "utils", "grader", "tests", "scripts", "book",
+         "conftest.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -8,13 +8,18 @@ One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_a
 * `checker` (with `compare`): the trusted side, a reference, its mistakes and its cases
   (`Checker.judge`, `Case`), and `run_in_process`, which runs both sides in a notebook;
 * `results`: what a check returns and prints (`CheckResult`);
-* `guard`: what each assignment forbids and how the grader notices it;
-* `sandbox` (with `child`, `zygote`, `protocol`, `kernel`, `poison` and `runners`): a submission
-  run in its own confined process, for grading.
+* `guard`: what each assignment forbids (`Rule`, `Assignment`);
+* `runners` (with `training_runner`, `training_task`): how a case exercises the student's code,
+  the same in a notebook and in the grader's child; `sublayers`: what assignments 6 and 7 share;
+* `assignments`: every assignment, in order (`ASSIGNMENTS`).
+
+This package holds only what a notebook imports to check an exercise. The grader (the sandbox,
+its child and zygote, the kernel's confinement, the protocol, the reading of submissions) is the
+top-level package `grader`, which uses this one; nothing under ``utils`` imports it.
 
 The names below are imported on first use (PEP 562), so that the grader's sandboxed child can
-import the student side (`core`, `results`, `runners`, `child`) without the checkers'
-references: the child never holds the code that computes an expected value.
+import the student side (`core`, `results`, `runners`) without the checkers' references: the
+child never holds the code that computes an expected value.
 
 In a notebook, each ``check_*`` function runs its cases at once, prints one line per case and
 returns a `CheckResult` with ``.passed``, ``.score`` (the fraction of the points earned) and

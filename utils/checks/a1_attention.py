@@ -226,7 +226,7 @@ ASSIGNMENT = Assignment(
                   # the fused multi-head kernels compute it too, with identity projections
                   "_native_multi_head_attention", "_transformer_encoder_layer_fwd")),
         # (each with its family: every overload, variant and backward kernel, see
-        # utils.checks.poison.operator_family)
+        # grader.poison.operator_family)
         Rule("code", "torch.ao.nn.quantizable.modules.activation", "uses torch's quantizable "
              "MultiheadAttention, which computes this attention", qualname="MultiheadAttention"),
         Rule("code", "torch.nn.attention.flex_attention", "uses torch's flex_attention, which "

@@ -14,7 +14,7 @@ halves that never need to live in the same process:
 
 In a notebook both halves run in the student's process (`checker.run_in_process`), for instant
 feedback, and give `results.CheckResult`. The grader runs the student side in a sandboxed child
-process and the trusted side in its own process (`utils.checks.sandbox`): this module, `results`
+process and the trusted side in its own process (`grader.sandbox`): this module, `results`
 and `runners` are all the child holds of the checkers.
 """
 

@@ -84,7 +84,7 @@ def line(text: object, fold: bool = False) -> str:
     """``text`` on one line of plain text, every control or invisible character shown as an
     escape (``"a\\nb\\udcff"`` -> ``"a\\\\nb\\\\xff"``); always encodable as UTF-8.
     Its result is printable, so that ``line(line(t)) == line(t)``: a layer that shows a name
-    (`utils.checks.submissions.shown`) and the output that shows it again agree.
+    (`grader.submissions.shown`) and the output that shows it again agree.
 
     ``fold`` (for the grader's own prose, which may hold a student's text: a hint, a note, a
     cell's error) first turns each run of tabs, newlines and carriage returns into one space;

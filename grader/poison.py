@@ -1,10 +1,10 @@
 """Forbidden code made unusable in the grader's child, whatever the route to it.
 
-An assignment's rules name the reference code a student may not use (`guard.Rule`). Looking
-for those names in the notebook's text misses ``functools.partial(F.layer_norm, ...)``,
-``getattr(torch, "layer" + "_norm")`` or code built with ``exec``; watching calls from inside
-the student's process can be switched off by that process. So before the student's first line
-the child makes the forbidden code itself fail, at the place every route leads to:
+An assignment's rules (`utils.checks.guard.Rule`) name the reference code a student may not
+use. Looking for those names in the notebook's text misses ``functools.partial(F.layer_norm,
+...)``, ``getattr(torch, "layer" + "_norm")`` or code built with ``exec``; watching calls from
+inside the student's process can be switched off by that process. So before the student's first
+line the child makes the forbidden code itself fail, at the place every route leads to:
 
 * torch's built-in operators (``aten::scaled_dot_product_attention``, ``aten::native_layer_norm``,
   ...) get a kernel of the child's own, registered with torch's dispatcher for every computing

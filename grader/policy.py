@@ -1,11 +1,11 @@
 """The confinement policy of a child: what it may read and list, and what it must poison.
 
-For the grader (assignments' grading): `child_policy` turns an assignment's rules (`guard.Rule`)
-into the Landlock paths a child may read (Python, its packages, the parts of ``utils`` the rules
-allow: ``utils/checks`` never) and list, the sources whose opening is reported (the book, the
-tests, the checkers' references), the torch operators to poison (each rule's operators with
-their families, `poison.operator_family`) and the Python code to poison, and the modules the
-child may not import. Policies are cached by the rules' ids.
+For the grader (assignments' grading): `child_policy` turns an assignment's rules
+(`utils.checks.guard.Rule`) into the Landlock paths a child may read (Python, its packages, the
+parts of ``utils`` the rules allow: ``utils/checks`` and ``grader/`` never) and list, the sources
+whose opening is reported (the book, the tests, the checkers' references), the torch operators to
+poison (each rule's operators with their families, `poison.operator_family`) and the Python code
+to poison, and the modules the child may not import. Policies are cached by the rules' ids.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .guard import Rule
+from utils.checks.guard import Rule
+
 from .poison import operator_family
 
-UTILS = Path(__file__).resolve().parent.parent
-ROOT = UTILS.parent
+ROOT = Path(__file__).resolve().parent.parent
+UTILS = ROOT / "utils"
 
 
 def _module_file(name: str) -> Path | None:
@@ -98,7 +99,8 @@ def child_policy(rules: list[Rule]) -> dict[str, list[str]]:
     base = Path(sys.base_prefix).resolve()
     if base != venv:
         full.append(str(base))
-    # utils: the folder listed, then each allowed module of the book (utils/checks never).
+    # utils: the folder listed, then each allowed module of the book (utils/checks and grader/
+    # never: the child imported what it needs of them before it confined itself).
     listing += [str(UTILS), str(UTILS / "__pycache__")]
     for path in sorted(UTILS.glob("*.py")):
         name = "utils" if path.stem == "__init__" else f"utils.{path.stem}"

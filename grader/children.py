@@ -143,7 +143,7 @@ class PolledReader(Reader):
     whatever the child sends.
 
     The grader checks a child's CPU time, threads and scratch folder when a read raises
-    `TimeoutError` (`utils.checks.sessions.Conversation._wait`). A plain read raises it only
+    `TimeoutError` (`grader.sessions.Conversation._wait`). A plain read raises it only
     when no frame arrives within a poll, so a child that keeps its pipe busy (a report every
     millisecond) would never be checked until the wall-clock backstop, and its answer would be
     accepted whatever it cost. This read raises `TimeoutError` (the cue to check) whenever
@@ -198,7 +198,7 @@ class Child:
             self.pid, self.write_fd, read_fd = spawned
         else:
             self.proc = subprocess.Popen(  # OSError (no process left to start) goes to the caller
-                [sys.executable, "-I", "-B", "-m", "utils.checks.child"], cwd=self.dir,
+                [sys.executable, "-I", "-B", "-m", "grader.child"], cwd=self.dir,
                 env=child_env(self.dir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, start_new_session=True)
             self.pid = self.proc.pid

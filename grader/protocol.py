@@ -6,7 +6,7 @@ as ``{"$t": INDEX}``, and ``"tensors"`` lists ``[dtype, shape, nbytes]`` for eac
 their bytes follow. Nothing is ever unpickled: the grader parses JSON of bounded size and depth,
 and rebuilds each tensor from its bytes with `torch.frombuffer`, after checking its dtype, its
 shape and its size. `decode` raises `ProtocolError` for anything else; the grader's schemas
-(in `utils.checks.messages`) then check every field of every message it accepts.
+(in `grader.messages`) then check every field of every message it accepts.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """A process that has imported torch once and forks one sandboxed child per request.
 
 Starting a fresh Python process and importing torch takes seconds, far longer than grading a
-notebook. The grader (`utils.checks.zygote_client`) therefore starts this process once, as
-``python -I -B -m utils.checks.zygote FD`` with the same stripped environment a fresh child gets,
+notebook. The grader (`grader.zygote_client`) therefore starts this process once, as
+``python -I -B -m grader.zygote FD`` with the same stripped environment a fresh child gets,
 and asks it over a Unix socket (the file descriptor FD) for children. The zygote imports what a
-fresh child imports before its first instruction (torch and `utils.checks.child`, with the
-student side of the checkers: `core`, `results` and `runners`) and the parts of torch that every
-notebook imports anyway (`preload`), never any student code, no checker's reference and none of the
-book's modules that an assignment forbids. It never sees a case: the grader draws the inputs in
-its own process and sends them straight to the child over the child's own pipes. Once a run
-has asked for many children, the zygote's memory is mapped with huge pages where the kernel can
-(`collapse_into_huge_pages`), which makes each further fork and child's exit about three times
-cheaper.
+fresh child imports before its first instruction (torch and `grader.child`, with the student
+side of the checkers: `utils.checks.core`, `results` and `runners`) and the parts of torch that
+every notebook imports anyway (`preload`), never any student code, no checker's reference and
+none of the book's modules that an assignment forbids. It never sees a case: the grader draws
+the inputs in its own process and sends them straight to the child over the child's own pipes.
+Once a run has asked for many children, the zygote's memory is mapped with huge pages where the
+kernel can (`collapse_into_huge_pages`), which makes each further fork and child's exit about
+three times cheaper.
 
 What a forked child inherits, and what it does about it before the student's first line:
 
@@ -27,7 +27,7 @@ What a forked child inherits, and what it does about it before the student's fir
 * signal handlers: Ctrl-C, which the zygote ignores, raises KeyboardInterrupt again, as in a fresh
   interpreter.
 
-`utils.checks.child.serve` then sets the resource limits and installs the monitor, exactly as in
+`grader.child.serve` then sets the resource limits and installs the monitor, exactly as in
 a fresh child. The zygote keeps every child it forked until the grader asks it to kill and reap
 it, so that a process id can never be reused between the grader's decision and the kill.
 

@@ -1,11 +1,11 @@
 """The grader's sessions with its children: the cells, then the cases, one message at a time.
 
-For the grader (assignments' grading), as the part of `utils.checks.sandbox.Grading` that talks
+For the grader (assignments' grading), as the part of `grader.sandbox.Grading` that talks
 to children. `Conversation._wait` reads a child's next answer while it counts the child's CPU
 time, wall-clock time, threads and scratch folder, handles its flags and answers its oracle
 calls (`_answer`); `Sessions` runs the cases that share a child (`_session`: a new child goes on
 after a lost case) and those run alone in fresh children by their checker's plan
-(`_isolated`). What a child sends is checked by `utils.checks.messages`; what it means for the
+(`_isolated`). What a child sends is checked by `grader.messages`; what it means for the
 grade is decided by `Grading`.
 """
 
@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from utils.checks.core import Run, Spec
+
 from . import kernel
 from .children import Child, Stop
-from .core import Run, Spec
 from .limits import MAX_CALLS, MAX_THREADS, POLL_S
 from .messages import _clean_arg, _fields, _int, _str, clean_ready, clean_result
 from .protocol import ProtocolError

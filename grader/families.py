@@ -1,4 +1,4 @@
-"""The families of forbidden code, for `utils.checks.poison`: which torch operators and which
+"""The families of forbidden code, for `grader.poison`: which torch operators and which
 Python functions of torch's decompositions stand with a forbidden operator.
 
 * `operator_family`: the operators of torch's dispatcher whose name holds the words of the

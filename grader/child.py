@@ -1,8 +1,8 @@
 """The sandboxed child of the grader: runs one submission's code, then exercises it case by case.
 
-`utils.checks.zygote` forks it from a process that has imported torch and the student side of
-the checkers (`core`, `results`, `runners`), never a checker's reference. `serve` reads its
-instructions from the grader and, before the notebook's first line runs:
+`grader.zygote` forks it from a process that has imported torch and the student side of the
+checkers (`utils.checks.core`, `results`, `runners`), never a checker's reference. `serve` reads
+its instructions from the grader and, before the notebook's first line runs:
 
 1. moves the student's prints to a log file in its folder and keeps private copies of its pipes;
 2. imports the modules whose forbidden parts it must poison, and poisons them (`poison`):
@@ -35,12 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import kernel, runners
-from .core import Spec, guarded_exercise
+from utils.checks import runners
+from utils.checks.core import Spec, guarded_exercise
+from utils.checks.results import CheckResult
+
+from . import kernel
 from .ipython_shell import Shell, display, remember_source
 from .poison import Reporter, install_audit_hook, poison_operators, poison_python
 from .protocol import read_trusted, write_frame
-from .results import CheckResult
 
 MAX_CALLS = 2000  # oracle calls in one case
 

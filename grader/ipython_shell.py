@@ -1,4 +1,4 @@
-"""What stands for IPython in the grader's child (`utils.checks.child`).
+"""What stands for IPython in the grader's child (`grader.child`).
 
 A notebook's code may use what IPython gives it without an import: ``get_ipython()`` (`Shell`),
 its magics, ``display`` (`display`), and cells whose source `inspect.getsource` can read

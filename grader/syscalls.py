@@ -1,6 +1,6 @@
 """The kernel's system calls as the grader's confinement makes them: libc, numbers, errors.
 
-The ground under `utils.checks.landlock`, `utils.checks.seccomp` and `utils.checks.kernel`
+The ground under `grader.landlock`, `grader.seccomp` and `grader.kernel`
 (assignments' grading, chapter-free): the C library loaded once through ctypes, the x86-64
 numbers of the system calls the confinement makes or refuses, the ``prctl`` options it uses,
 and `KernelError`, raised by a call that fails (with the errno).

@@ -3,27 +3,27 @@
 The grader (this module) never imports or runs the student's code. Each child runs in a fresh
 scratch folder of its own that holds a private copy of the notebook, with a stripped environment;
 before the notebook's first line it poisons the code the assignment forbids and confines itself
-with the kernel (`utils.checks.child`, `utils.checks.kernel`): it can read only Python, its
+with the kernel (`grader.child`, `grader.kernel`): it can read only Python, its
 packages and the parts of ``utils`` the assignment allows, write only in its folder, start no
 process, run no program, open no socket, signal no other process, and raise none of its limits.
 
-Children are forked by `utils.checks.zygote`, a process started once that has imported torch and
+Children are forked by `grader.zygote`, a process started once that has imported torch and
 the student side of the checkers and nothing of any student, which saves the seconds of a fresh
 interpreter per child; where ``os.fork`` is missing (or `use_fork` is False) each child is a
 fresh process instead.
 
 The grader draws every case's inputs afresh, sends them, reads back raw tensors through a
-protocol of bounded frames (`utils.checks.protocol`), checks every message against a schema, and
+protocol of bounded frames (`grader.protocol`), checks every message against a schema, and
 judges with the checker's reference in its own process. Time is counted in CPU seconds of the
 child, read from the kernel, with a wall-clock backstop: a slow or busy machine does not make an
 honest case fail. A child that hangs, dies, writes too much or sends a malformed message loses
 that case only (flag ``timeout``, ``crashed``, ``limits`` or ``protocol``), and a new child goes
 on with the next one.
 
-The pieces, each in a module of its own: `utils.checks.limits` (`Limits`, the child's
-environment), `utils.checks.policy` (what a child may read, what it must poison),
-`utils.checks.messages` (the schema of the child's messages), `utils.checks.zygote_client`
-(the zygote), `utils.checks.children` (one child process) and `utils.checks.sessions` (the
+The pieces, each in a module of its own: `grader.limits` (`Limits`, the child's
+environment), `grader.policy` (what a child may read, what it must poison),
+`grader.messages` (the schema of the child's messages), `grader.zygote_client`
+(the zygote), `grader.children` (one child process) and `grader.sessions` (the
 conversation with the children). This module holds `Grading`, which puts them together, and
 `SubmissionResult`, the grade of one notebook.
 """
@@ -36,14 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checker import Case, Checker
-from .core import Spec
-from .guard import Assignment, Rule, static_scan
+from utils.checks.checker import Case, Checker
+from utils.checks.core import Spec
+from utils.checks.guard import Assignment, Rule
+from utils.checks.results import CheckResult
+
 from .limits import Limits
 from .messages import clean_flag
 from .notebook_reading import UnreadableNotebook, code_cells, parse_notebook, read_notebook_bytes
 from .policy import child_policy
-from .results import CheckResult
+from .scan import static_scan
 from .sessions import Sessions
 
 # What a case's failure says when a name it needs was never defined (a failed import).

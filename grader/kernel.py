@@ -24,8 +24,8 @@ seccomp filter; elsewhere the grader refuses to run unless told ``--insecure``.
 
 This module is the one door to the kernel for the grader and its child: it holds the steps
 that are a few lines each, and re-exports the pieces that live in modules of their own:
-`utils.checks.landlock`, `utils.checks.seccomp`, `utils.checks.processes` (the grader's side)
-and `utils.checks.syscalls` (libc, system call numbers, `KernelError`).
+`grader.landlock`, `grader.seccomp`, `grader.processes` (the grader's side)
+and `grader.syscalls` (libc, system call numbers, `KernelError`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The grader's end of `utils.checks.zygote`: the process that forks the children, started once.
+"""The grader's end of `grader.zygote`: the process that forks the children, started once.
 
-For the grader (assignments' grading). `Zygote` starts ``python -I -B -m utils.checks.zygote FD``
+For the grader (assignments' grading). `Zygote` starts ``python -I -B -m grader.zygote FD``
 with a child's environment, checks that it is single-threaded, and asks it over a Unix socket to
 fork a child in a folder (`Zygote.spawn`) or to kill and reap one (`Zygote.kill`).
 `shared_zygote` is the one zygote of this process, started on first use (None where ``os.fork``
@@ -49,7 +49,7 @@ class ZygoteError(Exception):
 
 
 class Zygote:
-    """The grader's end of `utils.checks.zygote`: one pre-started process that forks children.
+    """The grader's end of `grader.zygote`: one pre-started process that forks children.
 
     Thread-safe: each request and its answer hold a lock, so the threads of the command line can
     share one zygote.
@@ -62,7 +62,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-m", "utils.checks.zygote", str(theirs.fileno())],
+                [sys.executable, "-I", "-B", "-m", "grader.zygote", str(theirs.fileno())],
                 cwd=self.dir, env={**child_env(self.dir), **_matplotlib_cache()},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -11,7 +11,7 @@ socket or a symbolic link named like a notebook is refused before it is opened f
 * `find_submissions`: every handed-in notebook, `Placed` (one per student and assignment) or
   `Unplaced` (with the reason).
 
-Each notebook is read by `utils.checks.notebook_reading` (`read_notebook`, or
+Each notebook is read by `grader.notebook_reading` (`read_notebook`, or
 `UnreadableNotebook` with a reason a person can read), which also gives the code cells to run.
 """
 
@@ -84,7 +84,7 @@ class Unplaced:
 
 
 def shown(name: str) -> str:
-    """``name`` on one line (`utils.checks.sanitize.line`): a newline, another control or
+    """``name`` on one line (`grader.sanitize.line`): a newline, another control or
     invisible character, or a byte that is not UTF-8 (``\\xe9`` of a Latin-1 name) in a file
     name escaped."""
     return sanitize.line(name)
