@@ -6,6 +6,7 @@ that each takes a few seconds; each must reach a stated held-out accuracy.
 
 import math
 import re
+from itertools import islice
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from utils.train import (
     token_accuracy,
     token_cross_entropy,
     train,
+    train_side_by_side,
     transformer_lr,
     transformer_lr_scheduler,
     warmup_linear_decay,
@@ -204,6 +206,64 @@ def test_train_rejects_bad_arguments():
         train(model, iter([torch.ones(1, 2)]), loss, steps=3, print_fn=None)
     with pytest.raises(ValueError, match="scalar"):
         train(model, iter([torch.ones(4, 2)]), lambda m, b: m(b), steps=1, print_fn=None)
+
+
+def _small_seq2seq_runs(n, steps):
+    task = ReversalTask(min_len=3, max_len=6)
+    runs = []
+    for seed in range(n):
+        seed_everything(seed)
+        model = Seq2SeqTransformer(len(task.vocab), len(task.vocab), d_model=16, nhead=2,
+                                   num_encoder_layers=1, num_decoder_layers=1,
+                                   dim_feedforward=32, norm_first=True)
+        runs.append((model, list(islice(task.batches(8, seed=seed), steps))))
+    return runs
+
+
+def _seq2seq_loss(model, batch):
+    logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    return token_cross_entropy(logits, batch.tgt_out)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_train_side_by_side_equals_train_one_after_another(workers):
+    steps = 25
+    alone = _small_seq2seq_runs(3, steps)
+    expected = [train(m, b, _seq2seq_loss, steps=steps, lr=1e-2, print_fn=None) for m, b in alone]
+    together = _small_seq2seq_runs(3, steps)
+    got = train_side_by_side(together, _seq2seq_loss, steps=steps, workers=workers, lr=1e-2,
+                             print_fn=None)
+    assert len(got) == 3
+    for (m1, _), (m2, _), h1, h2 in zip(alone, together, expected, got, strict=True):
+        assert h2.step_losses == h1.step_losses  # to the bit, each run its own
+        for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
+            assert torch.equal(p1, p2)
+        assert not m2.training  # train ends in evaluation mode
+    # the runs differ from one another: each trained on its own model and batches
+    assert got[0].step_losses != got[1].step_losses
+
+
+def test_train_side_by_side_refuses_what_it_cannot_do_reproducibly():
+    runs = _small_seq2seq_runs(2, 3)
+    with pytest.raises(ValueError, match="share a parameter"):
+        train_side_by_side([runs[0], (runs[0][0], runs[1][1])], _seq2seq_loss, steps=3)
+    dropping = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+    with pytest.raises(ValueError, match=r"runs\[1\]: 1 has dropout above 0"):
+        train_side_by_side([runs[0], (dropping, [])], _seq2seq_loss, steps=3)
+    seed_everything(0)
+    with_attention_dropout = Seq2SeqTransformer(13, 13, d_model=16, nhead=2,
+                                                num_encoder_layers=1, num_decoder_layers=1,
+                                                dropout=0.1)
+    with pytest.raises(ValueError, match="dropout above 0"):
+        train_side_by_side([(with_attention_dropout, [])], _seq2seq_loss, steps=3)
+    for bad in ([], "ab", [runs[0][0]], [(runs[0][1], runs[0][0])]):
+        with pytest.raises(InputTypeError, match="runs"):
+            train_side_by_side(bad, _seq2seq_loss, steps=3)
+    with pytest.raises(ValueError, match="workers"):
+        train_side_by_side(runs, _seq2seq_loss, steps=3, workers=0)
+    with pytest.raises(ValueError, match="ran out"):  # train's own errors come through
+        train_side_by_side([(runs[0][0], runs[0][1][:1])], _seq2seq_loss, steps=3,
+                           print_fn=None)
 
 
 # --- Short runs on the toy tasks: each must reach its stated held-out accuracy. ---

@@ -13,6 +13,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -42,6 +43,7 @@ __all__ = [
     "transformer_lr",
     "transformer_lr_scheduler",
     "train",
+    "train_side_by_side",
     "token_cross_entropy",
     "token_accuracy",
     "exact_match",
@@ -284,6 +286,78 @@ def train(
     history.seconds = time.perf_counter() - start
     model.eval()
     return history
+
+
+def _draws_random_numbers(model: nn.Module) -> str | None:
+    """The name of a submodule that would draw random numbers in training mode, or None.
+
+    Dropout is what the book's models draw with: an ``nn.Dropout`` (or one of its variants) with
+    ``p > 0``, or a module with a float attribute ``dropout`` above 0 (the book's attention).
+    """
+    for name, sub in model.named_modules():
+        p = getattr(sub, "p", None) if isinstance(sub, nn.modules.dropout._DropoutNd) else None
+        rate = getattr(sub, "dropout", None)
+        if (p is not None and p > 0) or (isinstance(rate, float) and rate > 0):
+            return name or type(sub).__name__
+    return None
+
+
+def train_side_by_side(
+    runs: Sequence[tuple[nn.Module, Iterable]],
+    loss_fn: Callable[[nn.Module, object], torch.Tensor],
+    steps: int,
+    workers: int = 2,
+    **kwargs,
+) -> list[History]:
+    """`train` each ``(model, batches)`` of ``runs``, ``workers`` of them at a time, in threads.
+
+    A small model spends most of a step in many short operations, each of which keeps only one
+    core busy; PyTorch releases Python's global lock while an operation runs (and for the whole
+    backward pass), so two runs in two threads can keep up to two cores busy and, on a machine
+    with a free core, finish sooner than one after the other. The overlap is partial: the Python
+    between operations still runs one thread at a time. Each run is
+    exactly ``train(model, batches, loss_fn, steps, **kwargs)``: the same operations in the same
+    order, so the same weights and the same `History` losses as sequential calls
+    (tests/test_train.py). Give each thread one core (``OMP_NUM_THREADS=1``) for the best use
+    of a small machine.
+
+    Args:
+        runs: a sequence of ``(model, batches)`` pairs; no two models may share a parameter.
+        loss_fn, steps, **kwargs: as in `train` (the same for every run).
+        workers: how many runs train at once, a positive int (1: one after the other).
+
+    Returns:
+        One `History` per run, in the order of ``runs``; each ``seconds`` is that run's own wall
+        time, which overlaps the others'.
+
+    Raises:
+        ValueError or InputTypeError: for a bad argument, before any training: ``runs`` empty or
+            not pairs, a parameter shared between two models, or a model that would draw random
+            numbers while training (dropout above 0), since all threads draw from one global
+            generator and the order of their draws would change from run to run. An error in a
+            run is raised once every run has stopped.
+    """
+    if isinstance(runs, (str, bytes)) or not isinstance(runs, Sequence) or not runs:
+        raise InputTypeError(f"runs must be a non-empty sequence of (model, batches) pairs, "
+                             f"got {type_name(runs)}")
+    workers = require_int("workers", workers)
+    seen: dict[int, int] = {}
+    for i, run in enumerate(runs):
+        if not isinstance(run, tuple) or len(run) != 2 or not isinstance(run[0], nn.Module):
+            raise InputTypeError(f"runs[{i}] must be a (model, batches) pair with an nn.Module "
+                                 f"first, got {type_name(run)}")
+        drawer = _draws_random_numbers(run[0])
+        if drawer is not None:
+            raise ValueError(f"runs[{i}]: {drawer} has dropout above 0; runs that draw random "
+                             f"numbers cannot train side by side reproducibly (use train)")
+        for p in run[0].parameters():
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"runs[{seen[id(p)]}] and runs[{i}] share a parameter; each "
+                                 f"run needs a model of its own")
+    with ThreadPoolExecutor(max_workers=min(workers, len(runs))) as pool:
+        futures = [pool.submit(train, model, batches, loss_fn, steps, **kwargs)
+                   for model, batches in runs]
+    return [f.result() for f in futures]
 
 
 def _check_loss(loss: object) -> None:
