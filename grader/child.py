@@ -149,6 +149,7 @@ def _confine(start: dict[str, Any], out: int) -> Reporter:
     kernel.set_limits(limits["memory_mb"], limits["cpu_s"], limits.get("file_mb", 16),
                       limits.get("open_files", 64))
     if secure:
+        kernel.own_namespaces()
         kernel.drop_privileges()
         kernel.landlock(start["readable"] + [f"/proc/{os.getpid()}"], [os.getcwd()],
                         start["listable"])

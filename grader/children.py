@@ -1,9 +1,10 @@
 """One child process of the grader, seen from the grader: its folder, its pipes, its CPU time.
 
 For the grader (assignments' grading). `Child` makes a private scratch folder holding a copy of
-the notebook, gets a process forked by the zygote (or starts a fresh one), sends it the start
-message, and then reads its frames (`PolledReader`: the grader's checks of the child run on a
-fixed period however busy its pipe, and once more before an answer is accepted), writes to it
+the notebook, gets a process forked by the zygote (or starts a fresh one), puts it in a control
+group of its own (`grader.cgroups`), sends it the start message, and then reads its frames
+(`PolledReader`: the grader's checks of the child run on a fixed period however busy its pipe,
+and once more before an answer is accepted), writes to it
 without ever blocking, reads its CPU time from the kernel, measures its scratch folder and
 kills it. `Stop` is a case lost by a child: a hint for the student and a flag for the grades.
 """
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import kernel
+from . import cgroups, kernel
 from .limits import POLL_S, SCRATCH_BYTES, SCRATCH_FILES, SEND_S, child_env
 from .protocol import Reader, encode
 from .zygote_client import ZygoteError, children_started, shared_zygote, zygote_lock
@@ -38,6 +39,7 @@ def _scratch_parent() -> Path:
         if _scratch_root is None or not _scratch_root.is_dir():
             _scratch_root = Path(tempfile.mkdtemp(prefix="grade-scratch-"))
             atexit.register(remove_tree, _scratch_root)
+            atexit.register(cgroups.remove_base)
         return _scratch_root
 
 
@@ -178,6 +180,33 @@ class PolledReader(Reader):
         return msg
 
 
+def scratch_over(folder: Path) -> str:
+    """"" while the scratch folder ``folder`` is within its limits, else what is over."""
+    total = files = 0
+    todo = [folder]
+    while todo:
+        folder = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            files += 1
+            if files > SCRATCH_FILES:
+                return f"more than {SCRATCH_FILES} files"
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                todo.append(Path(e.path))
+            else:
+                total += st.st_blocks * 512
+            if total > SCRATCH_BYTES:
+                return f"more than {SCRATCH_BYTES // 2**20} MB"
+    return ""
+
+
 class Child:
     """One running child process and its pipes: forked by the zygote, or a fresh process."""
 
@@ -206,6 +235,15 @@ class Child:
             read_fd = os.dup(self.proc.stdout.fileno())
             self.proc.stdin.close()
             self.proc.stdout.close()
+        # The kernel's bounds go on before the child reads its start message, and so before
+        # any of the student's code: none where the grader runs --insecure.
+        self.group = None
+        if not start.get("insecure"):
+            try:
+                self.group = cgroups.attach(self.pid, int(start["limits"]["memory_mb"]))
+            except OSError:
+                self._end(read_fd)
+                raise
         os.set_blocking(self.write_fd, False)
         self.reader = PolledReader(read_fd)
         self.cpu_start = self.cpu_seen = self.cpu() or 0.0
@@ -230,29 +268,7 @@ class Child:
 
     def scratch_over(self) -> str:
         """"" while the scratch folder is within its limits, else what is over."""
-        total = files = 0
-        todo = [self.dir]
-        while todo:
-            folder = todo.pop()
-            try:
-                entries = list(os.scandir(folder))
-            except OSError:
-                continue
-            for e in entries:
-                files += 1
-                if files > SCRATCH_FILES:
-                    return f"more than {SCRATCH_FILES} files"
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    todo.append(Path(e.path))
-                else:
-                    total += st.st_blocks * 512
-                if total > SCRATCH_BYTES:
-                    return f"more than {SCRATCH_BYTES // 2**20} MB"
-        return ""
+        return scratch_over(self.dir)
 
     def send(self, message: dict[str, Any], timeout: float = SEND_S) -> None:
         """Write one frame to the child, never blocking past ``timeout`` seconds: a child that
@@ -274,16 +290,24 @@ class Child:
                                 "sent it", "protocol")
                 select.select([], [self.write_fd], [], min(left, POLL_S))
 
+    def limits_reached(self) -> list[str]:
+        """The kernel-held limits this child reached ("tasks", "memory")."""
+        return cgroups.events(self.group)
+
     def kill(self) -> None:
+        self._end(self.reader.fd)
+
+    def _end(self, read_fd: int) -> None:
         if self.zygote is None or not self.zygote.kill(self.pid):
             for kill in (os.killpg, os.kill):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     kill(self.pid, signal.SIGKILL)
-        for fd in (self.write_fd, self.reader.fd):
+        for fd in (self.write_fd, read_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
         if self.proc is not None:
             self.proc.wait()
+        cgroups.release(getattr(self, "group", None))
         remove_tree(self.dir)
 
 

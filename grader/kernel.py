@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import platform
 import resource
 import signal
 import struct
 import sys
 
+from . import cgroups
 from .landlock import landlock, landlock_abi
 from .processes import (
     cpu_seconds,
@@ -63,6 +65,7 @@ from .syscalls import (
 __all__ = [
     "support",
     "landlock_abi",
+    "own_namespaces",
     "drop_privileges",
     "landlock",
     "seccomp",
@@ -94,9 +97,72 @@ def support() -> tuple[bool, str]:
         missing.append("Landlock (Linux 5.13 or later, enabled with lsm=landlock)")
     if not seccomp_available():
         missing.append("seccomp filters (CONFIG_SECCOMP_FILTER)")
+    if not missing:
+        failed = _namespaces_fail()
+        if failed:
+            missing.append(f"namespaces a child of this grader may enter ({failed})")
     if missing:
         return False, "this kernel lacks " + " and ".join(missing)
-    return True, f"Landlock ABI {abi} and seccomp"
+    groups, why = cgroups.available()
+    if not groups:
+        return False, why
+    return True, f"Landlock ABI {abi}, seccomp, namespaces and control groups"
+
+
+def _namespaces_fail() -> str:
+    """Why a child cannot enter namespaces of its own (`own_namespaces`, tried in a fork), or
+    "" when it can."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # nothing but system calls here, then out
+        try:
+            os.close(reader)
+            own_namespaces()
+            os.write(writer, b"ok")
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+            os.write(writer, str(exc).encode()[:500])
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as f:
+        said = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return "" if said == "ok" else (said or "the trial process died")
+
+
+def own_namespaces() -> None:
+    """Leave the grader's IPC, network and host-name namespaces for new, empty ones.
+
+    In its own IPC namespace a child can name no System V object and no POSIX message queue of
+    another process, and nothing it makes outlives it; in its own network namespace it has only
+    a loopback device, down. Root enters them directly; an ordinary user first enters a user
+    namespace of its own, with its own user and group mapped to themselves, in which it holds
+    the capability needed (and gives it up with every other in `drop_privileges`). The process
+    must be single-threaded for the user namespace, as a forked child is. Root without
+    capabilities can do neither: since Linux 5.12 mapping user 0 needs ``CAP_SETFCAP``.
+    """
+    if not _has_capabilities():
+        uid, gid = os.geteuid(), os.getegid()
+        _unshare(_CLONE_NEWUSER)
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            try:
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            except OSError as exc:  # uid 0 without CAP_SETFCAP may not map itself (Linux 5.12)
+                raise KernelError(exc.errno or errno.EPERM,
+                                  f"a user namespace could not map user {uid} to itself "
+                                  f"({exc.strerror}); as root, keep the capabilities") from None
+    _unshare(_CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWUTS)
+
+
+_CLONE_NEWUTS, _CLONE_NEWIPC = 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+
+
+def _unshare(flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        raise KernelError(ctypes.get_errno(), "could not enter new namespaces")
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ class Conversation:
                                 "limits") from None
                 continue
             except EOFError:
+                if "memory" in child.limits_reached():
+                    raise Stop(f"{what} used more than {self.limits.memory_mb} MiB of memory, "
+                                "past the grader's limit", "limits") from None
                 if position is None:
                     raise Stop("the notebook ended its own process while its cells ran "
                                 "(os._exit, a signal, or memory use past the limit)",
@@ -80,8 +83,10 @@ class Conversation:
                                 f"({str(msg.get('error'))[:200]}); tell your instructor",
                                 "sandbox")
                 elif op == "ready" and position is None:
+                    self._kernel_limits(child)
                     return msg
                 elif op == "result" and position is not None:
+                    self._kernel_limits(child)
                     return clean_result(msg, position)
                 elif op == "call" and oracle is not None:
                     calls += 1
@@ -93,6 +98,14 @@ class Conversation:
             except ProtocolError as exc:
                 raise Stop(f"the process running your code sent a message the grader could not "
                             f"read during {what} ({exc})", "protocol") from None
+
+    def _kernel_limits(self, child: Child) -> None:
+        """Flag a child that reached its control group's task limit: the kernel refused its
+        threads past it, so its code ran with what it had, and earns what it computed."""
+        if "tasks" in child.limits_reached():
+            self.result.flag("limits")
+            self.result.note(f"your code tried to start more than {MAX_THREADS} threads; the "
+                             "kernel refused the rest")
 
     def _answer(self, child: Child, msg: dict[str, Any], oracle: Any) -> None:
         _fields(msg, {"op", "family", "k", "args"})

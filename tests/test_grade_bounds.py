@@ -1,6 +1,6 @@
 """Bounds on what a child may do to the rest of the machine, and limits that are not polled away.
 
-Four hostile notebooks of assignment a1 (a right attention function otherwise), graded once in
+Six hostile notebooks of assignment a1 (a right attention function otherwise), graded once in
 this process by a module-scoped fixture, so that this process is the grader:
 
 * one whose cells try to pin, renice and idle the grader, the zygote, its own parent and a
@@ -14,7 +14,15 @@ this process by a module-scoped fixture, so that this process is the grader:
   scratch folder (a child run as uid 0 without capabilities owns every root-owned file): each
   call is refused and the file is unchanged;
 * one whose case floods its pipe to the grader with messages while it burns CPU far past its
-  limit: scored as a timeout, stopped soon after its limit, not accepted when it answers.
+  limit: scored as a timeout, stopped soon after its limit, not accepted when it answers;
+* one that starts 300 threads: the kernel stops it at its control group's 64 tasks, and the
+  group is gone after the run;
+* one that compares its IPC, network and host-name namespaces with the grader's: all its own.
+
+Then, without a notebook: a control group holds its limits and goes with its process; an
+ordinary user (a fork become user 65534) enters the namespaces through a user namespace and is
+told why it has no control group; root without capabilities is refused by the grader, which
+says why.
 """
 
 from __future__ import annotations
@@ -33,8 +41,8 @@ import pytest
 from hostile_submissions import _a1_with
 from notebooks import ROOT
 
-from grader import kernel
-from grader.limits import Limits
+from grader import cgroups, kernel
+from grader.limits import MAX_THREADS, Limits
 from grader.sandbox import Grading
 from grader.zygote_client import shared_zygote
 from utils.checks import ASSIGNMENTS
@@ -163,6 +171,29 @@ with open("ipc_probe.txt") as f:
 ACTED = len(IPC) != 4 or any(r != -1 or e != 1 for r, e in IPC)  # refused: -1, EPERM
 '''
 
+# A thread bomb: the kernel's task limit of the child's control group (MAX_THREADS, threads
+# included) stops it, inside the child, whatever the grader polls.
+_THREADS = '''
+import threading, time
+
+STARTED = 0
+try:
+    for _ in range(300):
+        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()
+        STARTED += 1
+except RuntimeError:  # "can't start new thread": the kernel said EAGAIN
+    pass
+ACTED = STARTED >= MAX_THREADS
+'''
+
+# The child's namespaces, read from its own /proc entry: none may be the grader's.
+_NAMESPACES = '''
+import os
+
+ACTED = [kind for kind, grader in GRADER_NS.items()
+         if os.readlink(f"/proc/self/ns/{kind}") == grader]
+'''
+
 # The first case keeps the grader's pipe busy (a listing of /proc, which sends a "blocked"
 # report, every 2 ms of CPU time) while it burns four times its CPU limit, then answers rightly.
 _FLOOD = f'''
@@ -199,6 +230,12 @@ def _remove_ours() -> None:
     if shutil.which("ipcrm"):
         for flag in ("-M", "-Q", "-S"):
             subprocess.run(["ipcrm", flag, str(IPC_KEY)], capture_output=True, check=False)
+
+
+def _groups() -> list[str]:
+    """The control groups of this grader's children that exist now."""
+    return sorted(str(p) for d in cgroups._state.get("dirs", {}).values()
+                  for p in d.glob("child-*"))
 
 
 def _grade(path: Path, limits: Limits | None = None) -> tuple:
@@ -256,6 +293,15 @@ def graded(tmp_path_factory):
                                       base / "ipc" / "a1_attention.ipynb"))
     out["ipc_after"] = _sysv()
 
+    cell = _THREADS.replace("MAX_THREADS", str(MAX_THREADS))
+    groups_before = _groups()
+    out["threads"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
+                                      base / "threads" / "a1_attention.ipynb"))
+    out["groups"] = (groups_before, _groups())
+    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("ipc", "net", "uts")}
+    cell = _NAMESPACES.replace("GRADER_NS", repr(grader_ns))
+    out["namespaces"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
+                                         base / "namespaces" / "a1_attention.ipynb"))
     out["flood"] = _grade(_notebook(_a1_with("import os, time", _FLOOD),
                                     base / "flood" / "a1_attention.ipynb"))
     yield out
@@ -333,3 +379,116 @@ def test_the_flooding_case_is_stopped_soon_after_its_limit(graded):
     # The case alone would burn 4 s; stopped at 1 s (+ a poll), the notebook's children
     # together use well under 2.5 s.
     assert cpu_used < 2.5 * CASE_S, cpu_used
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds that the kernel holds: a control group per child, namespaces of its own
+
+
+def test_a_thread_bomb_is_stopped_by_the_kernel_at_the_task_limit(graded):
+    # Its threads past the limit were refused inside it; its function is right, so it keeps
+    # its points, and the row says that it reached the limit.
+    result, _, _ = graded["threads"]
+    assert (result.points, result.flags, result.cell_errors) == (10.0, ["limits"], [])
+    assert any("more than 64 threads" in note for note in result.notes), result.notes
+
+
+def test_every_childs_control_group_is_removed(graded):
+    before, after = graded["groups"]
+    assert before == [] and after == []
+
+
+def test_a_child_has_ipc_network_and_host_name_namespaces_of_its_own(graded):
+    result, _, _ = graded["namespaces"]
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_a_childs_group_holds_its_limits_and_goes_with_it():
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits to be placed, then tries more threads than allowed and exits
+        os.read(reader, 1)
+        import threading
+        started = 0
+        try:
+            for _ in range(3 * MAX_THREADS):
+                threading.Thread(target=time.sleep, args=(1,), daemon=True).start()
+                started += 1
+        finally:
+            os._exit(min(started, 255))
+    group = cgroups.attach(pid, memory_mb=256)
+    assert group is not None
+    assert (group.dirs["pids"] / "pids.max").read_text().strip() == str(MAX_THREADS)
+    limit_file = "memory.max" if group.v2 else "memory.limit_in_bytes"
+    assert int((group.dirs["memory"] / limit_file).read_text()) == 256 * 2**20
+    assert str(pid) in (group.dirs["pids"] / "cgroup.procs").read_text().split()
+    os.write(writer, b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == MAX_THREADS - 1  # the main thread is one of the tasks
+    assert cgroups.events(group) == ["tasks"]
+    cgroups.release(group)
+    assert not any(d.exists() for d in group.dirs.values())
+
+
+def _as_ordinary_user(work) -> str:
+    """Run ``work()`` in a fork that became user and group 65534 (nobody), as a grader started
+    by an ordinary user is; return what it returned, or the error it raised."""
+    # The interpreter's own library may be unreadable to that user: load what the fork needs.
+    import encodings.ascii  # noqa: F401
+    import encodings.latin_1  # noqa: F401
+
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            kernel._prctl(4, 1)  # PR_SET_DUMPABLE: as a process started by that user is
+            said = str(work())
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+            said = f"error: {exc}"
+        finally:
+            os.write(writer, said.encode()[:2000])
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become an ordinary user")
+def test_an_ordinary_user_enters_the_namespaces_through_a_user_namespace():
+    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("ipc", "net", "uts")}
+
+    def enter() -> str:
+        kernel.own_namespaces()
+        same = [k for k, v in grader_ns.items() if os.readlink(f"/proc/self/ns/{k}") == v]
+        return f"own user namespace: {os.readlink('/proc/self/ns/user') != user}; same: {same}"
+
+    user = os.readlink("/proc/self/ns/user")
+    assert _as_ordinary_user(enter) == "own user namespace: True; same: []"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become an ordinary user")
+def test_an_ordinary_user_without_a_delegated_group_is_told_why():
+    said = _as_ordinary_user(lambda: cgroups._base()[2])
+    assert "no pids or memory control group the grader may write" in said, said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to drop its capabilities")
+def test_root_without_capabilities_is_refused_and_told_why(tmp_path):
+    # Since Linux 5.12 a user namespace may map user 0 only with CAP_SETFCAP: root without
+    # capabilities gets no namespaces, and the grader says so and grades nothing.
+    (tmp_path / "student" / "a1_attention").mkdir(parents=True)
+    _notebook(_a1_with("", ""), tmp_path / "student" / "a1_attention" / "a1_attention.ipynb")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "grade_assignments.py"), str(tmp_path),
+         "--out", str(tmp_path / "out"), "--quiet"], capture_output=True, text=True,
+        preexec_fn=_without_capabilities,
+        timeout=300, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "could not map user 0" in proc.stderr and "--insecure" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "grades.csv").exists()

@@ -1,0 +1,206 @@
+"""Bounds that the kernel holds for each child: its number of tasks and its memory (cgroups).
+
+A limit that the grader polls is only as good as its period: between two polls a child can start
+hundreds of threads, and threads are counted per user, so one submission's bomb can take the
+process table from the next student's child. A control group holds its limits at every
+allocation instead. Each child gets a group of its own, made by the grader before the child runs
+a line of the student's (the child waits for its start message, which comes after):
+
+* ``pids.max``: at most `MAX_THREADS` tasks (threads included); the next ``clone`` fails with
+  EAGAIN, inside the child, whatever it is doing;
+* the memory limit (``memory.max``, or ``memory.limit_in_bytes`` with its swap twin in version 1
+  of the interface): what the child touches, files it writes to memory-backed folders included;
+  past it the kernel reclaims and then kills the child alone.
+
+Both versions of the interface are served: version 2 (the unified tree, where the grader's own
+group must have the controllers delegated to it, as systemd does with ``Delegate=yes``) and
+version 1 (one tree per controller). `available` says which controllers the grader can use and,
+when one is missing, why; the grader refuses to run without them unless ``--insecure``. Groups
+are named after the grader's process and the child's, under the grader's own group, and removed
+once the child is reaped (`release`); `events` says whether a child reached a limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .limits import MAX_THREADS
+
+ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("pids", "memory")
+
+
+def _own_paths() -> dict[str, str]:
+    """This process's group in each hierarchy: {controller or "": path}, "" for version 2."""
+    paths: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            for name in names.split(",") if names else [""]:
+                paths[name] = path
+    return paths
+
+
+def _unified() -> Path | None:
+    """The mount point of the version-2 tree, if there is one."""
+    for candidate in (ROOT, ROOT / "unified"):
+        if (candidate / "cgroup.controllers").exists():
+            return candidate
+    return None
+
+
+@dataclass
+class Group:
+    """One child's groups: the folder per controller, and how its limits are written."""
+
+    dirs: dict[str, Path] = field(default_factory=dict)
+    v2: bool = False
+
+
+def _base() -> tuple[dict[str, Path], bool, str]:
+    """Where to make the groups of this grader's children: ({controller: parent}, v2, why not)."""
+    own = _own_paths()
+    tree = _unified()
+    name = f"grader-{os.getpid()}"
+    if tree is not None and "" in own:
+        parent = tree / own[""].lstrip("/")
+        enabled = set((parent / "cgroup.subtree_control").read_text().split()) \
+            if (parent / "cgroup.subtree_control").exists() else set()
+        if set(CONTROLLERS) <= enabled and os.access(parent, os.W_OK):
+            return {c: parent / name for c in CONTROLLERS}, True, ""
+    dirs, missing = {}, []
+    for c in CONTROLLERS:
+        parent = ROOT / c / own.get(c, "/").lstrip("/")
+        if c in own and parent.is_dir() and os.access(parent, os.W_OK):
+            dirs[c] = parent / name
+        else:
+            missing.append(c)
+    if missing:
+        return {}, False, (f"no {' or '.join(missing)} control group the grader may write "
+                           f"(version 1 under {ROOT}, or version 2 with the controllers "
+                           f"delegated to the grader's own group)")
+    return dirs, False, ""
+
+
+_state: dict[str, object] = {}
+
+
+def available() -> tuple[bool, str]:
+    """Whether children can be given groups here; if not, the reason."""
+    if "ok" not in _state:
+        dirs, v2, why = _base()
+        for d in {*dirs.values()}:
+            _sweep(d.parent)
+        if dirs:
+            try:
+                for d in {*dirs.values()}:
+                    d.mkdir(exist_ok=True)
+                    if v2:
+                        (d / "cgroup.subtree_control").write_text("+pids +memory")
+            except OSError as exc:
+                dirs, why = {}, f"cannot make a control group: {exc.strerror}"
+        _state.update(ok=bool(dirs), dirs=dirs, v2=v2, why=why)
+    return bool(_state["ok"]), str(_state["why"])
+
+
+def _sweep(parent: Path) -> None:
+    """Remove the groups left by graders that are gone (a run killed before its exit handlers)."""
+    for d in parent.glob("grader-*"):
+        pid = d.name.removeprefix("grader-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            for child in d.glob("child-*"):
+                release(Group(dirs={"": child}))
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def attach(pid: int, memory_mb: int, tasks: int = MAX_THREADS) -> Group | None:
+    """Put the process ``pid`` in a new group of its own, with its bounds. None where
+    `available` says no (the grader then runs only with ``--insecure``)."""
+    if not available()[0]:
+        return None
+    group = Group(v2=bool(_state["v2"]))
+    parents: dict[str, Path] = _state["dirs"]  # type: ignore[assignment]
+    memory = str(memory_mb * 2**20)
+    for c in CONTROLLERS:  # version 2: one folder for both controllers
+        d = parents[c] / f"child-{pid}"
+        if d not in group.dirs.values():
+            d.mkdir()
+        group.dirs[c] = d
+    pids, mem = group.dirs["pids"], group.dirs["memory"]
+    _write(pids / "pids.max", str(tasks))
+    if group.v2:
+        _write(mem / "memory.max", memory)
+        with contextlib.suppress(OSError):
+            _write(mem / "memory.swap.max", "0")
+    else:
+        _write(mem / "memory.limit_in_bytes", memory)
+        with contextlib.suppress(OSError):  # only where swap is accounted
+            _write(mem / "memory.memsw.limit_in_bytes", memory)
+    for d in {*group.dirs.values()}:
+        _write(d / "cgroup.procs", str(pid))
+    return group
+
+
+def events(group: Group | None) -> list[str]:
+    """The limits that the group's processes reached: "tasks", "memory"."""
+    if group is None:
+        return []
+    hit = []
+    with contextlib.suppress(OSError):
+        counts = dict(line.split() for line in
+                      (group.dirs["pids"] / "pids.events").read_text().splitlines())
+        if int(counts.get("max", 0)):
+            hit.append("tasks")
+    mem = group.dirs["memory"]
+    with contextlib.suppress(OSError):
+        if group.v2:
+            counts = dict(line.split() for line in
+                          (mem / "memory.events").read_text().splitlines())
+            reached = int(counts.get("oom_kill", 0))
+        else:  # the count of kills (failcnt also counts reclaims that succeeded)
+            counts = dict(line.split() for line in
+                          (mem / "memory.oom_control").read_text().splitlines())
+            reached = int(counts.get("oom_kill", 0))
+        if reached:
+            hit.append("memory")
+    return hit
+
+
+def release(group: Group | None, wait_s: float = 2.0) -> None:
+    """Kill whatever is left in the group, then remove its folders."""
+    if group is None:
+        return
+    deadline = time.monotonic() + wait_s
+    for d in {*group.dirs.values()}:
+        while True:
+            with contextlib.suppress(OSError):
+                for pid in (d / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # busy until its last task is gone
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+
+
+def remove_base() -> None:
+    """Remove this grader's parent groups (at exit; empty by then)."""
+    for d in {*(_state.get("dirs") or {}).values()}:  # type: ignore[union-attr]
+        with contextlib.suppress(OSError):
+            d.rmdir()
