@@ -16,14 +16,17 @@ Both versions of the interface are served: version 2 (the unified tree, where th
 group must have the controllers delegated to it, as systemd does with ``Delegate=yes``) and
 version 1 (one tree per controller). `available` says which controllers the grader can use and,
 when one is missing, why; the grader refuses to run without them unless ``--insecure``. Groups
-are named after the grader's process and the child's, under the grader's own group, and removed
+are named after the grader (its pid namespace, pid and a random token) and a count of its
+children, under the grader's own group, and removed
 once the child is reaped (`release`); `events` says whether a child reached a limit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -66,7 +69,7 @@ def _base() -> tuple[dict[str, Path], bool, str]:
     """Where to make the groups of this grader's children: ({controller: parent}, v2, why not)."""
     own = _own_paths()
     tree = _unified()
-    name = f"grader-{os.getpid()}"
+    name = f"grader-{_namespace()}-{os.getpid()}-{secrets.token_hex(4)}"
     if tree is not None and "" in own:
         parent = tree / own[""].lstrip("/")
         enabled = set((parent / "cgroup.subtree_control").read_text().split()) \
@@ -88,6 +91,12 @@ def _base() -> tuple[dict[str, Path], bool, str]:
 
 
 _state: dict[str, object] = {}
+_made = itertools.count(1)
+
+
+class GroupError(OSError):
+    """The grader could not give a child its control groups: the grader's fault, not the
+    student's (the child is killed and the case flagged ``sandbox``)."""
 
 
 def available() -> tuple[bool, str]:
@@ -108,10 +117,19 @@ def available() -> tuple[bool, str]:
     return bool(_state["ok"]), str(_state["why"])
 
 
+def _namespace() -> str:
+    """This process's pid namespace, as a number: pids are only unique within one."""
+    with contextlib.suppress(OSError):
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    return "0"
+
+
 def _sweep(parent: Path) -> None:
-    """Remove the groups left by graders that are gone (a run killed before its exit handlers)."""
-    for d in parent.glob("grader-*"):
-        pid = d.name.removeprefix("grader-")
+    """Remove the groups left by graders of this pid namespace that are gone (a run killed
+    before its exit handlers). Another namespace's groups are not judged from here."""
+    prefix = f"grader-{_namespace()}-"
+    for d in parent.glob(prefix + "*"):
+        pid = d.name.removeprefix(prefix).split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             for child in d.glob("child-*"):
                 release(Group(dirs={"": child}))
@@ -132,23 +150,30 @@ def attach(pid: int, memory_mb: int, tasks: int = MAX_THREADS) -> Group | None:
     group = Group(v2=bool(_state["v2"]))
     parents: dict[str, Path] = _state["dirs"]  # type: ignore[assignment]
     memory = str(memory_mb * 2**20)
-    for c in CONTROLLERS:  # version 2: one folder for both controllers
-        d = parents[c] / f"child-{pid}"
-        if d not in group.dirs.values():
-            d.mkdir()
-        group.dirs[c] = d
-    pids, mem = group.dirs["pids"], group.dirs["memory"]
-    _write(pids / "pids.max", str(tasks))
-    if group.v2:
-        _write(mem / "memory.max", memory)
-        with contextlib.suppress(OSError):
-            _write(mem / "memory.swap.max", "0")
-    else:
-        _write(mem / "memory.limit_in_bytes", memory)
-        with contextlib.suppress(OSError):  # only where swap is accounted
-            _write(mem / "memory.memsw.limit_in_bytes", memory)
-    for d in {*group.dirs.values()}:
-        _write(d / "cgroup.procs", str(pid))
+    # Named by a count of this grader's children, not by the pid, which the kernel reuses.
+    name = f"child-{next(_made)}"
+    try:
+        for c in CONTROLLERS:  # version 2: one folder for both controllers
+            d = parents[c] / name
+            if d not in group.dirs.values():
+                d.mkdir()
+            group.dirs[c] = d
+        pids, mem = group.dirs["pids"], group.dirs["memory"]
+        _write(pids / "pids.max", str(tasks))
+        if group.v2:
+            _write(mem / "memory.max", memory)
+            with contextlib.suppress(OSError):
+                _write(mem / "memory.swap.max", "0")
+        else:
+            _write(mem / "memory.limit_in_bytes", memory)
+            with contextlib.suppress(OSError):  # only where swap is accounted
+                _write(mem / "memory.memsw.limit_in_bytes", memory)
+        for d in {*group.dirs.values()}:
+            _write(d / "cgroup.procs", str(pid))
+    except OSError as exc:
+        release(group)  # what was made so far; the caller kills the child
+        raise GroupError(exc.errno, f"cannot give a child its control group: "
+                                    f"{exc.strerror or exc}") from None
     return group
 
 

@@ -131,15 +131,17 @@ def _namespaces_fail() -> str:
 
 
 def own_namespaces() -> None:
-    """Leave the grader's IPC, network and host-name namespaces for new, empty ones.
+    """Leave the grader's IPC, network, host-name and control-group namespaces for new ones.
 
     In its own IPC namespace a child can name no System V object and no POSIX message queue of
     another process, and nothing it makes outlives it; in its own network namespace it has only
-    a loopback device, down. Root enters them directly; an ordinary user first enters a user
-    namespace of its own, with its own user and group mapped to themselves, in which it holds
-    the capability needed (and gives it up with every other in `drop_privileges`). The process
-    must be single-threaded for the user namespace, as a forked child is. Root without
-    capabilities can do neither: since Linux 5.12 mapping user 0 needs ``CAP_SETFCAP``.
+    a loopback device, down; in its own control-group namespace its group (made by the grader
+    before, `grader.cgroups`) is its root, and the grader's is not named. Root enters them
+    directly; an ordinary user first enters a user namespace of its own, with its own user and
+    group mapped to themselves, in which it holds the capability needed (and gives it up with
+    every other in `drop_privileges`). The process must be single-threaded for the user
+    namespace, as a forked child is. Root without capabilities can do neither: since Linux 5.12
+    mapping user 0 needs ``CAP_SETFCAP``.
     """
     if not _has_capabilities():
         uid, gid = os.geteuid(), os.getegid()
@@ -153,10 +155,10 @@ def own_namespaces() -> None:
                 raise KernelError(exc.errno or errno.EPERM,
                                   f"a user namespace could not map user {uid} to itself "
                                   f"({exc.strerror}); as root, keep the capabilities") from None
-    _unshare(_CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWUTS)
+    _unshare(_CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWUTS | _CLONE_NEWCGROUP)
 
 
-_CLONE_NEWUTS, _CLONE_NEWIPC = 0x04000000, 0x08000000
+_CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 
 

@@ -20,7 +20,7 @@ import torch
 
 from utils.checks.core import Run, Spec
 
-from . import kernel
+from . import cgroups, kernel
 from .children import Child, Stop
 from .limits import MAX_CALLS, MAX_THREADS, POLL_S
 from .messages import _clean_arg, _fields, _int, _str, clean_ready, clean_result
@@ -145,6 +145,9 @@ class Sessions(Conversation):
         try:
             return Child(self.data, self.notebook.name if self.notebook.name.isprintable()
                           else "notebook.ipynb", start)
+        except cgroups.GroupError as exc:
+            raise Stop(f"the grader could not confine a process for your code ({exc.strerror}); "
+                        "nothing of yours ran: ask for a regrade", "sandbox") from None
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise Stop(f"the grader could not start a process for your code ({why}); the "

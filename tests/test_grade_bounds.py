@@ -298,7 +298,8 @@ def graded(tmp_path_factory):
     out["threads"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
                                       base / "threads" / "a1_attention.ipynb"))
     out["groups"] = (groups_before, _groups())
-    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("ipc", "net", "uts")}
+    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}")
+                 for kind in ("ipc", "net", "uts", "cgroup")}
     cell = _NAMESPACES.replace("GRADER_NS", repr(grader_ns))
     out["namespaces"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
                                          base / "namespaces" / "a1_attention.ipynb"))
@@ -398,7 +399,7 @@ def test_every_childs_control_group_is_removed(graded):
     assert before == [] and after == []
 
 
-def test_a_child_has_ipc_network_and_host_name_namespaces_of_its_own(graded):
+def test_a_child_has_ipc_network_host_name_and_cgroup_namespaces_of_its_own(graded):
     result, _, _ = graded["namespaces"]
     assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
 
@@ -461,7 +462,8 @@ def _as_ordinary_user(work) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become an ordinary user")
 def test_an_ordinary_user_enters_the_namespaces_through_a_user_namespace():
-    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("ipc", "net", "uts")}
+    grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}")
+                 for kind in ("ipc", "net", "uts", "cgroup")}
 
     def enter() -> str:
         kernel.own_namespaces()
@@ -492,3 +494,43 @@ def test_root_without_capabilities_is_refused_and_told_why(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "could not map user 0" in proc.stderr and "--insecure" in proc.stderr, proc.stderr
     assert not (tmp_path / "out" / "grades.csv").exists()
+
+
+def test_a_group_that_cannot_be_made_whole_is_removed_and_is_the_graders_fault(monkeypatch):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    real = cgroups._write
+
+    def failing(path, value):
+        if "memory" in path.name:
+            raise OSError(16, "Device or resource busy")
+        real(path, value)
+
+    monkeypatch.setattr(cgroups, "_write", failing)
+    try:
+        before = _groups()
+        with pytest.raises(cgroups.GroupError, match="control group"):
+            cgroups.attach(pid, memory_mb=256)
+        assert _groups() == before  # nothing half-made is left
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_the_sweep_removes_only_dead_graders_of_its_own_pid_namespace():
+    assert cgroups.available()[0]
+    parent = next(iter(cgroups._state["dirs"].values())).parent
+    dead = 2**22 + 11  # above any pid_max: no such process
+    ours = parent / f"grader-{cgroups._namespace()}-{dead}-0000"
+    other = parent / f"grader-1-{dead}-0000"  # another namespace's: not judged from here
+    for d in (ours, other):
+        (d / "child-1").mkdir(parents=True)
+    try:
+        cgroups._sweep(parent)
+        assert not ours.exists() and other.exists()
+    finally:
+        for d in (ours / "child-1", ours, other / "child-1", other):
+            with contextlib.suppress(OSError):
+                d.rmdir()
