@@ -40,7 +40,7 @@ from utils.checks.core import Spec, guarded_exercise
 from utils.checks.results import CheckResult
 
 from . import kernel
-from .ipython_shell import Shell, display, remember_source
+from .ipython_shell import Shell, install, remember_source
 from .poison import Reporter, install_audit_hook, poison_operators, poison_python
 from .protocol import read_trusted, write_frame
 
@@ -186,8 +186,7 @@ def serve() -> None:
     ns: dict[str, Any] = sys.modules["__main__"].__dict__
     ns["__builtins__"] = builtins
     shell = Shell(ns)
-    builtins.get_ipython = lambda: shell  # type: ignore[attr-defined]
-    builtins.display = display  # type: ignore[attr-defined]
+    install(shell)
     inputs: list[str] = [""]
     outputs: dict[int, Any] = {}  # nothing is displayed while grading
     ns.update({"In": inputs, "_ih": inputs, "Out": outputs, "_oh": outputs,

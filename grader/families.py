@@ -5,8 +5,8 @@ Python functions of torch's decompositions stand with a forbidden operator.
   forbidden operator's stem in order (`family_words`): every overload in every namespace, the
   variants and the backward kernels.
 * `index_decompositions`: where torch's Python decompositions and references of each operator
-  are, and which private helper functions each of them uses (`_private_helpers`: a helper that
-  only a family's functions use belongs to the family).
+  are, and which helper functions each of them uses (`_private_helpers`: a helper that only a
+  family's functions use belongs to the family, whether its name is private or public).
 """
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ def _cell_has_function(cell: Any) -> bool:
 
 def _references(functions: dict[str, list[types.FunctionType]]
                 ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """For each function name, the private functions of ``functions`` its code names (refs),
-    and for each private function, the names of the functions whose code names it (callers)."""
+    """For each function name, the functions of ``functions`` its code names (refs), and for
+    each of those, the names of the functions whose code names it (callers)."""
     refs: dict[str, set[str]] = {}
     callers: dict[str, set[str]] = {}
     for name, fns in functions.items():
         for fn in fns:
-            for used in _names_of(fn):
-                if used.startswith("_") and used in functions and used != name:
+            for used in _names_of(fn):  # public helpers too (native_batch_norm_helper)
+                if used in functions and used != name:
                     refs.setdefault(name, set()).add(used)
                     callers.setdefault(used, set()).add(name)
     return refs, callers
@@ -133,8 +133,8 @@ def _references(functions: dict[str, list[types.FunctionType]]
 
 def _private_helpers(names: set[str], refs: dict[str, set[str]],
                      callers: dict[str, set[str]]) -> dict[str, str]:
-    """The private functions that only the functions ``names`` (and such helpers) use, each
-    with the name of one function that uses it."""
+    """The functions that only the functions ``names`` (and such helpers) use, private or public
+    (``native_batch_norm_helper``), each with the name of one function that uses it."""
     poisoned = set(names)
     found: dict[str, str] = {}
     todo = list(names)
@@ -146,6 +146,16 @@ def _private_helpers(names: set[str], refs: dict[str, set[str]],
                 found[helper] = name
                 todo.append(helper)
     return found
+
+
+def named_variants(names: Iterable[str], functions: Iterable[str]) -> dict[str, str]:
+    """The functions named after one of the operators ``names`` with a suffix
+    (``_native_batch_norm_legit_no_stats`` decomposes the ``no_stats`` overload), each with the
+    operator's name (the longest that fits)."""
+    names = list(names)
+    prefixes = tuple(n + "_" for n in names)
+    return {f: max((n for n in names if f.startswith(n + "_")), key=len)
+            for f in functions if f.startswith(prefixes)}
 
 
 _INDEX: _DecompositionIndex | None = None

@@ -173,10 +173,14 @@ class Shell:
                 if target.isidentifier():
                     self.ns[target] = None
             self._run(cell)
-        elif name == "writefile":
-            words = line.split()
+        elif name == "writefile":  # IPython's rules: quotes, "~", UTF-8, -a or --append
+            try:
+                words = shlex.split(line)
+            except ValueError:
+                words = line.split()
             if words:
-                with open(words[-1], "a" if "-a" in words[:-1] else "w") as f:
+                mode = "a" if {"-a", "--append"} & set(words[:-1]) else "w"
+                with open(os.path.expanduser(words[-1]), mode, encoding="utf-8") as f:
                     f.write(cell)
         return None
 
@@ -188,3 +192,17 @@ class Shell:
 
     def __getattr__(self, name: str) -> Any:
         return lambda *args, **kwargs: None
+
+
+def install(shell: Shell) -> None:
+    """Make ``get_ipython()`` return ``shell`` however it is reached: the builtin, and
+    ``from IPython import get_ipython`` (the zygote has imported IPython already; a fresh child
+    imports it here, from packages it may read)."""
+    builtins.get_ipython = lambda: shell  # type: ignore[attr-defined]
+    builtins.display = display  # type: ignore[attr-defined]
+    try:
+        import IPython
+        import IPython.core.getipython
+    except ImportError:
+        return
+    IPython.get_ipython = IPython.core.getipython.get_ipython = lambda: shell

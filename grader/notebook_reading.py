@@ -13,9 +13,7 @@ is opened for reading.
 
 from __future__ import annotations
 
-import codecs
 import errno
-import json
 import os
 import re
 import stat
@@ -24,20 +22,14 @@ from typing import Any
 
 from IPython.core.inputtransformer2 import TransformerManager
 
+from .notebook_json import UnreadableNotebook, parse_bounded
+
 MAX_NOTEBOOK_BYTES = 20 * 2**20
 CHUNK = 2**20
 # Lines IPython's input transformer may change (escapes, prompts, help, `x = !cmd`).
 _IPYTHON_SYNTAX = re.compile(
     r"(?m)^[ \t]*(?:[%!?,;/]|>>>|\.\.\.|In \[)|\?[ \t]*$|=[ \t]*[%!]")
 TRANSFORM_BUDGET = 500_000  # characters tokenized per notebook: a few seconds at most
-
-
-class UnreadableNotebook(Exception):
-    """A handed-in file that cannot be read as a notebook; ``reason`` says why, for a person."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,85 +106,11 @@ def read_notebook_bytes(path: Path | str, limit: int = MAX_NOTEBOOK_BYTES) -> by
     return b"".join(chunks)
 
 
-def _json(data: bytes) -> Any:
-    """The JSON value in ``data``, or `UnreadableNotebook`."""
-    if not data.strip():
-        raise UnreadableNotebook("an empty file")
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # some editors add it
-    try:
-        text = data[bom:].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        at = bom + exc.start
-        raise UnreadableNotebook(f"not UTF-8 text (byte {data[at]:#04x} at offset {at})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UnreadableNotebook(f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    except RecursionError:
-        raise UnreadableNotebook("not a notebook: its JSON is nested too deeply") from None
-
-
-def _to_v4(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` (a notebook's JSON) as an nbformat 4 notebook of plain dicts."""
-    import nbformat  # here: the grader's process imports it only when it reads notebooks
-
-    if "nbformat" not in raw and isinstance(raw.get("cells"), list):
-        raw.update(nbformat=4, nbformat_minor=raw.get("nbformat_minor", 0))  # cells: enough
-    major = raw.get("nbformat")
-    if not isinstance(major, int) or isinstance(major, bool):
-        raise UnreadableNotebook("not a notebook: it has no nbformat version")
-    if major not in nbformat.versions:
-        raise UnreadableNotebook(f"nbformat {major} cannot be converted")
-    minor = raw.get("nbformat_minor", 0)
-    if major == 4 and not isinstance(raw.get("cells"), list):
-        raise UnreadableNotebook("not a notebook: it has no list of cells")
-    if major == 4 and not isinstance(raw.get("metadata"), dict):
-        raw["metadata"] = {}  # all nbformat needs; a notebook without it is still a notebook
-    try:
-        nb = nbformat.versions[major].to_notebook_json(raw, minor=minor)
-        nb = nbformat.convert(nb, 4)
-        plain = json.loads(json.dumps(nb))
-    except UnreadableNotebook:
-        raise
-    except Exception as exc:  # whatever nbformat makes of a malformed notebook
-        detail = _detail(exc)
-        if major != 4:
-            raise UnreadableNotebook(f"nbformat {major} cannot be converted ({detail})") from None
-        raise UnreadableNotebook(f"not a notebook nbformat can read ({detail})") from None
-    return plain
-
-
-def _detail(exc: Exception) -> str:
-    """A short account of what nbformat raised."""
-    if isinstance(exc, AttributeError | KeyError) and exc.args:
-        return f"it has no {str(exc.args[0])[:60]!r}"
-    text = str(exc).splitlines()[0][:120] if str(exc) else ""
-    return text or type(exc).__name__
-
-
 def parse_notebook(data: bytes) -> dict[str, Any]:
-    """The notebook in ``data`` (a file's bytes) as an nbformat 4 dict; `UnreadableNotebook`
+    """The notebook in ``data`` (a file's bytes) as an nbformat 4 dict of what the grader reads
+    (`grader.notebook_json`: parsed in a bounded process of its own); `UnreadableNotebook`
     when it is not one, with the reason."""
-    try:
-        raw = _json(data)
-        if not isinstance(raw, dict):
-            raise UnreadableNotebook(f"not a notebook: its JSON is {_json_kind(raw)}, not an "
-                                     "object")
-        nb = _to_v4(raw)
-        if not isinstance(nb.get("cells"), list):
-            raise UnreadableNotebook("not a notebook: it has no list of cells")
-        return nb
-    except UnreadableNotebook:
-        raise
-    except Exception as exc:  # RecursionError, MemoryError, anything nbformat raises
-        raise UnreadableNotebook(f"not a notebook that can be read ({type(exc).__name__})"
-                                 ) from None
-
-
-def _json_kind(value: Any) -> str:
-    kinds = {list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
+    return parse_bounded(data)
 
 
 def read_notebook(path: Path | str, limit: int = MAX_NOTEBOOK_BYTES) -> dict[str, Any]:

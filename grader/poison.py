@@ -14,15 +14,13 @@ line the child makes the forbidden code itself fail, at the place every route le
   stands for its family (`families.operator_family`: every overload, namespace, variant and
   backward kernel). The registration's handle is kept alive by a reference that no Python
   object holds, so no code in the process can take it back; torch's Python decompositions of
-  the family are poisoned too, with the private helpers only they use (``_refs._normalize``).
-* Python functions and classes (``F.layer_norm``, ``nn.MultiheadAttention``, ``utils.train.train``)
-  have their code replaced in place, so every reference to them, wherever it was kept, now holds
-  code that reports and raises. The grader's Landlock policy keeps their source files unreadable,
-  so the original cannot be rebuilt from disk.
+  the family are poisoned too, with the helpers only they use (``_refs._normalize``).
+* Python functions and classes (``F.layer_norm``, ``nn.MultiheadAttention``, ...) have their
+  code replaced in place, so every reference to them now holds code that reports and raises; the
+  Landlock policy keeps their source files unreadable, so the original cannot be rebuilt.
 
-The reports are written straight to the grader's pipe with functions captured here, before any
-student code ran; a report can be lost if the student's code closes that pipe, but the call
-still fails. The grader decides what a report means for the score.
+Reports go straight to the grader's pipe with functions captured here, before any student code
+ran; a report is lost if the student's code closes that pipe, but the call still fails.
 """
 
 from __future__ import annotations
@@ -59,11 +57,11 @@ __all__ = ["Reporter", "family_words", "operator_family", "index_decompositions"
 
 # The dispatch keys whose kernels compute values (not Meta's shapes, not the autograd, tracing,
 # batching or autocast layers, which end in one of these).
-_DISPATCH_KEYS = ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1", "QuantizedCPU",
-                  "QuantizedCUDA", "SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA",
-                  "NestedTensorCPU", "NestedTensorCUDA", "MkldnnCPU",
-                  "CompositeImplicitAutograd", "CompositeImplicitAutogradNestedTensor",
-                  "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+_DISPATCH_KEYS = (
+    "CPU CUDA XPU MPS HPU MTIA PrivateUse1 QuantizedCPU QuantizedCUDA SparseCPU SparseCUDA "
+    "SparseCsrCPU SparseCsrCUDA NestedTensorCPU NestedTensorCUDA MkldnnCPU "
+    "CompositeImplicitAutograd CompositeImplicitAutogradNestedTensor CompositeExplicitAutograd "
+    "CompositeExplicitAutogradNonFunctional").split()
 
 
 class Reporter:
@@ -99,12 +97,8 @@ def _raiser(message: str, report: Callable[[], None]) -> Callable[..., Any]:
 
 
 def _computing_keys(table: str) -> list[str]:
-    keys = []
-    for line in table.splitlines():
-        key = line.partition(":")[0].removesuffix("[alias]")
-        if key in _DISPATCH_KEYS and key not in keys:
-            keys.append(key)
-    return keys
+    keys = [line.partition(":")[0].removesuffix("[alias]") for line in table.splitlines()]
+    return list(dict.fromkeys(k for k in keys if k in _DISPATCH_KEYS))  # in order, once each
 
 
 def poison_operators(ops: Sequence[tuple[str, str]], reporter: Reporter) -> list[str]:
@@ -206,7 +200,10 @@ def _poison_decompositions(names: set[str], rule_of: dict[str, str], reporter: R
             every[name] = every.get(name, []) + fns
         refs, callers = _references(every)
     rule_of = dict(rule_of)
-    for helper, user in _private_helpers(set(names), refs, callers).items():
+    every = (index.functions if index is not None else {}) | late
+    for name, user in families.named_variants(names, every).items():  # the family's too
+        rule_of.setdefault(name, rule_of[user])
+    for helper, user in _private_helpers(set(rule_of), refs, callers).items():
         rule_of[helper] = rule_of[user]
     functions = [f for name in rule_of for f in lookup(name)]
     for fn in functions:

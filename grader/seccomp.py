@@ -77,6 +77,12 @@ _IOPRIO_WHO_PROCESS = 1  # ioprio_set's "which": one process (not a group, not a
 
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_BIT = 0x40000000
+# A descriptor's owner gets the signal the kernel sends when the descriptor is ready (O_ASYNC):
+# F_SETOWN names any process the caller's uid may signal, F_SETSIG picks the signal (SIGKILL
+# too). The kill calls are checked above; this path is closed here, whatever Landlock's ABI
+# (its signal scope arrived with ABI 6, Linux 6.12).
+_SIGNAL_OWNER_FCNTL = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
+_SIGNAL_OWNER_IOCTL = (0x8901, 0x8902)  # FIOSETOWN, SIOCSPGRP
 _CLONE_THREAD = 0x00010000
 _CLONE_NAMESPACES = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 
@@ -148,6 +154,8 @@ def _filter(pid: int) -> bytes:
         p.jump("eq", _NR[name], "self", 0)  # the first argument is the target's pid
     p.jump("eq", _NR["setpriority"], "setpriority", 0)
     p.jump("eq", _NR["ioprio_set"], "ioprio_set", 0)
+    p.jump("eq", _NR["fcntl"], "fcntl", 0)
+    p.jump("eq", _NR["ioctl"], "ioctl", 0)
     for name in DENIED:
         p.jump("eq", _NR[name], "deny", 0)
     p.ret(_SECCOMP_RET_ALLOW)
@@ -173,6 +181,16 @@ def _filter(pid: int) -> bytes:
     p.load(arg + 8)
     p.jump("eq", 0, "allow", 0)
     p.jump("eq", pid, "allow", "deny")
+    p.label("fcntl")  # no owner for a descriptor's signals, no signal chosen for them
+    p.load(arg + 8)
+    for cmd in _SIGNAL_OWNER_FCNTL:
+        p.jump("eq", cmd, "deny", 0)
+    p.ret(_SECCOMP_RET_ALLOW)
+    p.label("ioctl")  # the same through ioctl
+    p.load(arg + 8)
+    for request in _SIGNAL_OWNER_IOCTL:
+        p.jump("eq", request, "deny", 0)
+    p.ret(_SECCOMP_RET_ALLOW)
     p.label("self")  # 0 (the calling thread) or this process's pid (its main thread)
     p.load(arg)
     p.jump("eq", 0, "allow", 0)

@@ -30,7 +30,8 @@ _X86_64 = platform.machine() in ("x86_64", "AMD64") and sys.platform == "linux"
 # System call numbers (x86-64).
 _NR = {
     "socket": 41, "connect": 42, "accept": 43, "bind": 49, "listen": 50, "socketpair": 53,
-    "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "kill": 62, "ptrace": 101,
+    "ioctl": 16, "fcntl": 72, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "kill": 62,
+    "ptrace": 101,
     "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66,
     "shmdt": 67, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "setpriority": 141,
     "sched_setparam": 142, "sched_setscheduler": 144, "sched_setaffinity": 203,

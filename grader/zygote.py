@@ -156,6 +156,10 @@ def preload() -> None:
     """
     with contextlib.suppress(ImportError):
         import torch._inductor.config  # noqa: F401
+    # IPython, so that each child can answer ``from IPython import get_ipython`` with its own
+    # stand-in (`ipython_shell.install`) without importing it again.
+    with contextlib.suppress(ImportError):
+        import IPython.core.getipython  # noqa: F401
     # matplotlib builds its font list on first import, with a subprocess (fc-list) that a
     # confined child may not start: build it here once, for every child.
     with contextlib.suppress(Exception):

@@ -12,6 +12,7 @@ import csv
 import importlib.util
 import json
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import nbformat
 import pytest
 from notebooks import ROOT
 
-from grader import notebook_reading
+from grader import notebook_json, notebook_reading
 from grader.notebook_reading import (
     MAX_NOTEBOOK_BYTES,
     UnreadableNotebook,
@@ -384,6 +385,7 @@ def test_the_size_limit(tmp_path):
 
 
 def test_nothing_but_unreadable_notebook_escapes(tmp_path, monkeypatch):
+    # What the parsing process runs (parse_here), made to fail inside nbformat's conversion.
     path = _write(tmp_path / "a.ipynb")
 
     def broken(*args, **kwargs):
@@ -391,7 +393,38 @@ def test_nothing_but_unreadable_notebook_escapes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(json, "dumps", broken)
     with pytest.raises(UnreadableNotebook):
-        read_notebook(path)
+        notebook_json.parse_here(path.read_bytes())
+
+
+def test_a_notebook_of_millions_of_tiny_objects_is_parsed_within_bounds(tmp_path):
+    # Under the 20 MB limit, but gigabytes once parsed: the bounded process refuses it, and
+    # the grader's own process neither grows nor waits long.
+    tiny = b"[0]," * (19 * 2**20 // 4 - 100)
+    path = tmp_path / "a.ipynb"
+    path.write_bytes(b'{"nbformat": 4, "nbformat_minor": 5, "cells": [], "metadata": {"x": ['
+                     + tiny.rstrip(b",") + b"]}}")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    try:
+        nb = read_notebook(path)
+    except UnreadableNotebook as exc:
+        assert "bounds" in exc.reason or "MemoryError" in exc.reason, exc.reason
+    else:  # parsed within the bounds: then only what the grader reads came back
+        assert nb["cells"] == [] and nb["metadata"] == {}
+    assert time.monotonic() - start < notebook_json.PARSE_WALL_S
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
+    assert grown < 200 * 2**10, f"the grader's process grew by {grown} KiB"
+
+
+def test_only_what_the_grader_reads_comes_back(tmp_path):
+    nb = _notebook("x = 1")
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="big")]
+    nb.cells[0].metadata = nbformat.from_dict(
+        {"nbgrader": {"grade_id": "g", "solution": True}, "x": 1})
+    nb.metadata["tested_transformer"] = {"assignment": "a1_attention"}
+    cell = read_notebook(_write(tmp_path / "a.ipynb", nb))["cells"][0]
+    assert set(cell) <= {"cell_type", "source", "metadata", "id"}
+    assert cell["metadata"] == {"nbgrader": {"grade_id": "g", "solution": True}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The grader is fair to honest notebooks that use what Jupyter gives them: ``display`` without an
-import, ``%%writefile`` then ``%run`` (and ``%run -i``), a helper under ``@torch.jit.script``
+import, ``get_ipython`` imported from IPython (autoreload), ``%%writefile`` then ``%run`` (and
+``%run -i``), ``%%writefile`` with a quoted name, a helper under ``@torch.jit.script``
 (which reads its source through ``linecache``), about 200 KB of code, and a comparison with the
 book's own function in a cell of its own (noted, never voiding the notebook). All graded through
 the command line in one run; each asserts the exact score."""
@@ -107,12 +108,26 @@ def scaled_dot_product_attention(q, k, v, mask=None):
     return book_attention(q, k, v, mask)
 '''
 
+# The usual first cell of a notebook developed with autoreload, through IPython's own import.
+AUTORELOAD = '''from IPython import get_ipython
+
+ipython = get_ipython()
+ipython.run_line_magic("load_ext", "autoreload")
+ipython.run_line_magic("autoreload", "2")
+'''
+
+# A quoted file name, as IPython's %%writefile accepts (the quotes are not part of the name).
+QUOTED_HELPER = "%%writefile 'quoted_helper.py'\nimport math\n\nimport torch\n" + A1_RIGHT
+
 # student: (source of the solution cell, [(index to insert at, source), ...])
 STUDENTS = {
     "honest_display": ('display("my attention")\n' + A1_RIGHT, [(SOLUTION + 1, DISPLAY)]),
     "honest_run": ("%run attention_helper.py\n", [(SOLUTION, HELPER)]),
     "honest_run_i": (USES_SCORES, [(SOLUTION, SCORES_HELPER)]),
     "honest_jit": (JIT, []),
+    "honest_autoreload": (AUTORELOAD + A1_RIGHT, []),
+    "honest_quoted_writefile": ("from quoted_helper import scaled_dot_product_attention\n",
+                                [(SOLUTION, QUOTED_HELPER)]),
     "honest_big": (A1_RIGHT, [(SOLUTION + 1, TABLE)]),
     "honest_compare": (A1_RIGHT, [(SOLUTION + 1, COMPARE)]),
     "uses_book_in_a_case": (USES_BOOK, [(SOLUTION + 1, COMPARE)]),
@@ -155,6 +170,14 @@ def test_writefile_then_run(graded):
 
 def test_writefile_then_run_in_the_notebooks_namespace(graded):
     assert NO_CELL_ERRORS not in _full(graded, "honest_run_i")
+
+
+def test_get_ipython_imported_from_ipython(graded):
+    assert NO_CELL_ERRORS not in _full(graded, "honest_autoreload")
+
+
+def test_writefile_with_a_quoted_name(graded):
+    assert NO_CELL_ERRORS not in _full(graded, "honest_quoted_writefile")
 
 
 def test_a_helper_under_torch_jit_script(graded):
