@@ -14,7 +14,9 @@ its instructions from the grader and, before the notebook's first line runs:
    cell's source in `linecache`, so that `inspect.getsource` and ``@torch.jit.script`` find it)
    and for the checkers (``from utils.checks import check_...`` gives a function that does
    nothing);
-4. sets its resource limits and gives up every privilege (`kernel`), confines itself with
+4. sets its resource limits, enters IPC, network, host-name and control-group namespaces of its
+   own (its control groups were made by the grader before it started), gives up every
+   privilege (`kernel`), confines itself with
    Landlock (read only what it needs, write only in its own folder), installs the seccomp
    filter (no process, no exec, no socket, no signal to another process), and last an audit
    hook (no ctypes, no walk through every object of the process).
