@@ -40,11 +40,12 @@ class Conversation:
         start_cpu = child.cpu() or 0.0
         wall_by = time.monotonic() + self.limits.wall(cpu_limit)
         calls = 0
+        oracle_s = 0.0  # the grader's own CPU time on the child's calls, charged to the case
         while True:
             try:
                 msg = child.reader.read(min(wall_by, time.monotonic() + POLL_S))
             except TimeoutError:
-                used = (child.cpu() or start_cpu) - start_cpu
+                used = (child.cpu() or start_cpu) - start_cpu + oracle_s
                 if used > cpu_limit:
                     raise Stop(f"{what} did not finish within {cpu_limit:g} s of CPU time: an "
                                 "endless loop, or far too much work?", "timeout") from None
@@ -92,7 +93,9 @@ class Conversation:
                     calls += 1
                     if calls > MAX_CALLS:
                         raise ProtocolError(f"more than {MAX_CALLS} calls of an implementation")
+                    began = time.thread_time()
                     self._answer(child, msg, oracle)
+                    oracle_s += time.thread_time() - began
                 else:
                     raise ProtocolError(f"an unexpected message ({str(op)[:20]})")
             except ProtocolError as exc:
