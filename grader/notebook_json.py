@@ -162,7 +162,8 @@ def parse_bounded(data: bytes) -> dict[str, Any]:
     """The notebook in ``data`` as the grader reads it (see the module's docstring), parsed in
     a bounded process; `UnreadableNotebook` when it is not a notebook or breaks a bound."""
     key = hashlib.sha256(data).digest()
-    if key not in _answers:
+    answer = _answers.get(key)  # one lookup: another thread may evict between two
+    if answer is None:
         try:
             run = subprocess.run(
                 [sys.executable, "-I", "-c", "from grader.notebook_json import _parsing_process;"
@@ -178,7 +179,6 @@ def parse_bounded(data: bytes) -> dict[str, Any]:
         _answers[key] = answer
         while len(_answers) > _KEPT:
             _answers.popitem(last=False)
-    answer = _answers[key]
     if "error" in answer:
         raise UnreadableNotebook(str(answer["error"]))
     return copy.deepcopy(answer["nb"])

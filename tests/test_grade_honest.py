@@ -160,28 +160,16 @@ def _full(graded, student):
     return feedback[student]
 
 
-def test_display_without_an_import(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_display")
-
-
-def test_writefile_then_run(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_run")
-
-
-def test_writefile_then_run_in_the_notebooks_namespace(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_run_i")
-
-
-def test_get_ipython_imported_from_ipython(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_autoreload")
-
-
-def test_writefile_with_a_quoted_name(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_quoted_writefile")
-
-
-def test_a_helper_under_torch_jit_script(graded):
-    assert NO_CELL_ERRORS not in _full(graded, "honest_jit")
+@pytest.mark.parametrize("student", [
+    "honest_display",  # display without an import
+    "honest_run",  # %%writefile, then %run
+    "honest_run_i",  # %%writefile, then %run -i in the notebook's namespace
+    "honest_autoreload",  # get_ipython imported from IPython
+    "honest_quoted_writefile",  # %%writefile with a quoted name
+    "honest_jit",  # a helper under torch.jit.script
+])
+def test_an_honest_notebook_gets_full_marks_and_no_cell_error(graded, student):
+    assert NO_CELL_ERRORS not in _full(graded, student)
 
 
 def test_200_kb_of_code():
