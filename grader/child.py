@@ -152,14 +152,25 @@ def _confine(start: dict[str, Any], out: int) -> Reporter:
                       limits.get("open_files", 64))
     if secure:
         kernel.own_namespaces()
+        kernel.scratch_on_tmpfs(os.getcwd(), limits["scratch_bytes"], limits["scratch_files"],
+                                (start["notebook"],))
+        _open_log()  # in the tmpfs, where the student's code may read it
         kernel.drop_privileges()
-        kernel.landlock(start["readable"] + [f"/proc/{os.getpid()}"], [os.getcwd()],
+        kernel.landlock(start["readable"] + [kernel.own_proc()], [os.getcwd()],
                         start["listable"])
         kernel.seccomp()
     # Last: the hook refuses ctypes, which the steps above use.
     install_audit_hook([tuple(m) for m in start["forbidden_modules"]], start["source_roots"],
                        reporter, os.getcwd())
     return reporter
+
+
+def _open_log() -> None:
+    """Send this process's output (and the student's) to ``output.log`` in its folder."""
+    log = os.open("output.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
 
 
 def serve() -> None:
@@ -171,11 +182,8 @@ def serve() -> None:
     inp, out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    log = os.open("output.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     os.close(null)
-    os.close(log)
+    _open_log()
     start = read_trusted(inp)
     try:
         _confine(start, out)

@@ -212,6 +212,7 @@ class Child:
 
     def __init__(self, notebook: bytes, name: str, start: dict[str, Any]):
         self.dir = Path(tempfile.mkdtemp(prefix="grade-", dir=_scratch_parent()))
+        start = {**start, "notebook": name}  # copied into the child's own scratch folder
         (self.dir / name).write_bytes(notebook)
         self.proc: subprocess.Popen[bytes] | None = None
         self.zygote = shared_zygote()
@@ -267,8 +268,19 @@ class Child:
         return max(0.0, self.cpu_seen - self.cpu_start)
 
     def scratch_over(self) -> str:
-        """"" while the scratch folder is within its limits, else what is over."""
-        return scratch_over(self.dir)
+        """"" while the scratch folder is within its limits, else what is over. Polled only
+        under ``--insecure``: otherwise the folder is a tmpfs of the child's own, bounded by
+        the kernel (`grader.namespaces.scratch_on_tmpfs`), which the grader does not see."""
+        return scratch_over(self.dir) if self.group is None else ""
+
+    def scratch_full(self) -> bool:
+        """Whether the child's tmpfs has no byte or no file left: the kernel refused a write
+        (seen through the child's own root, ``/proc/PID/root``)."""
+        try:
+            st = os.statvfs(f"/proc/{self.pid}/root{self.dir}")
+        except OSError:
+            return False
+        return st.f_bavail == 0 or st.f_favail == 0
 
     def send(self, message: dict[str, Any], timeout: float = SEND_S) -> None:
         """Write one frame to the child, never blocking past ``timeout`` seconds: a child that
@@ -291,8 +303,8 @@ class Child:
                 select.select([], [self.write_fd], [], min(left, POLL_S))
 
     def limits_reached(self) -> list[str]:
-        """The kernel-held limits this child reached ("tasks", "memory")."""
-        return cgroups.events(self.group)
+        """The kernel-held limits this child reached ("tasks", "memory", "scratch")."""
+        return cgroups.events(self.group) + (["scratch"] if self.scratch_full() else [])
 
     def kill(self) -> None:
         self._end(self.reader.fd)

@@ -39,8 +39,9 @@ import signal
 import struct
 import sys
 
-from . import cgroups
+from . import cgroups, namespaces
 from .landlock import landlock, landlock_abi
+from .namespaces import has_capabilities, own_namespaces, scratch_on_tmpfs
 from .processes import (
     cpu_seconds,
     descendants,
@@ -66,6 +67,8 @@ __all__ = [
     "support",
     "landlock_abi",
     "own_namespaces",
+    "scratch_on_tmpfs",
+    "own_proc",
     "drop_privileges",
     "landlock",
     "seccomp",
@@ -98,7 +101,7 @@ def support() -> tuple[bool, str]:
     if not seccomp_available():
         missing.append("seccomp filters (CONFIG_SECCOMP_FILTER)")
     if not missing:
-        failed = _namespaces_fail()
+        failed = namespaces.trial()
         if failed:
             missing.append(f"namespaces a child of this grader may enter ({failed})")
     if missing:
@@ -109,66 +112,14 @@ def support() -> tuple[bool, str]:
     return True, f"Landlock ABI {abi}, seccomp, namespaces and control groups"
 
 
-def _namespaces_fail() -> str:
-    """Why a child cannot enter namespaces of its own (`own_namespaces`, tried in a fork), or
-    "" when it can."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # nothing but system calls here, then out
-        try:
-            os.close(reader)
-            own_namespaces()
-            os.write(writer, b"ok")
-        except BaseException as exc:  # noqa: BLE001 (reported to the parent)
-            os.write(writer, str(exc).encode()[:500])
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as f:
-        said = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return "" if said == "ok" else (said or "the trial process died")
-
-
-def own_namespaces() -> None:
-    """Leave the grader's IPC, network, host-name and control-group namespaces for new ones.
-
-    In its own IPC namespace a child can name no System V object and no POSIX message queue of
-    another process, and nothing it makes outlives it; in its own network namespace it has only
-    a loopback device, down; in its own control-group namespace its group (made by the grader
-    before, `grader.cgroups`) is its root, and the grader's is not named. Root enters them
-    directly; an ordinary user first enters a user namespace of its own, with its own user and
-    group mapped to themselves, in which it holds the capability needed (and gives it up with
-    every other in `drop_privileges`). The process must be single-threaded for the user
-    namespace, as a forked child is. Root without capabilities can do neither: since Linux 5.12
-    mapping user 0 needs ``CAP_SETFCAP``.
-    """
-    if not _has_capabilities():
-        uid, gid = os.geteuid(), os.getegid()
-        _unshare(_CLONE_NEWUSER)
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                           ("gid_map", f"{gid} {gid} 1")):
-            try:
-                with open(f"/proc/self/{name}", "w") as f:
-                    f.write(text)
-            except OSError as exc:  # uid 0 without CAP_SETFCAP may not map itself (Linux 5.12)
-                raise KernelError(exc.errno or errno.EPERM,
-                                  f"a user namespace could not map user {uid} to itself "
-                                  f"({exc.strerror}); as root, keep the capabilities") from None
-    _unshare(_CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWUTS | _CLONE_NEWCGROUP)
-
-
-_CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-
-
-def _unshare(flags: int) -> None:
-    if _libc.unshare(flags) != 0:
-        raise KernelError(ctypes.get_errno(), "could not enter new namespaces")
-
-
 # --------------------------------------------------------------------------------------------
 # In the child, before the student's first line
+
+
+def own_proc() -> str:
+    """This process's folder in ``/proc`` (``/proc/self`` resolved: in a PID namespace of its
+    own a child is process 1, but ``/proc`` names it by its number outside)."""
+    return "/proc/" + os.readlink("/proc/self")
 
 
 def set_parent_death_signal() -> None:
@@ -179,7 +130,7 @@ def set_parent_death_signal() -> None:
 def drop_privileges() -> None:
     """Set ``no_new_privs`` and give up every capability, for good."""
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-    if not _has_capabilities():  # an ordinary user, or root without capabilities (a container
+    if not has_capabilities():  # an ordinary user, or root without capabilities (a container
         return  # run with all of them dropped): none to give up, and dropping one would fail
     cap = 0
     while cap < 64:
@@ -194,19 +145,8 @@ def drop_privileges() -> None:
     hbuf = ctypes.create_string_buffer(header, len(header))
     dbuf = ctypes.create_string_buffer(data, len(data))
     _syscall("capset", hbuf, dbuf)
-    if _has_capabilities():
+    if has_capabilities():
         raise KernelError(errno.EPERM, "capabilities are still held after dropping them")
-
-
-def _has_capabilities() -> bool:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(("CapEff:", "CapPrm:")) and int(line.split()[1], 16):
-                    return True
-    except OSError:
-        return True
-    return False
 
 
 def set_limits(memory_mb: int, cpu_s: int, file_mb: int = 16, open_files: int = 64) -> None:

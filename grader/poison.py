@@ -332,7 +332,7 @@ def install_audit_hook(forbidden_modules: Sequence[tuple[str, str]], source_root
     interpreters = frozenset(("_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
                               "_interpchannels", "_interpqueues", "_testcapi",
                               "_testinternalcapi", "_testmultiphase", "_testsinglephase"))
-    own = f"/proc/{os.getpid()}"
+    own = "/proc/" + os.readlink("/proc/self")  # process 1 of its PID namespace
     digits = "0123456789"
     reported = {"subprocess.Popen": "starting a process", "os.system": "starting a process",
                 "os.exec": "starting a process", "os.posix_spawn": "starting a process",

@@ -41,7 +41,7 @@ from utils.checks.core import Spec
 from utils.checks.guard import Assignment, Rule
 from utils.checks.results import CheckResult
 
-from .limits import Limits
+from .limits import SCRATCH_BYTES, SCRATCH_FILES, Limits
 from .messages import clean_flag
 from .notebook_reading import UnreadableNotebook, code_cells, parse_notebook, read_notebook_bytes
 from .policy import child_policy
@@ -240,7 +240,8 @@ class Grading(_Marks, Sessions):
             "readable": policy["readable"], "listable": policy["listable"],
             "targets": targets,
             "limits": {"memory_mb": self.limits.memory_mb,
-                       "cpu_s": int(self.limits.cells_s + self.limits.total_s) + 5},
+                       "cpu_s": int(self.limits.cells_s + self.limits.total_s) + 5,
+                       "scratch_bytes": SCRATCH_BYTES, "scratch_files": SCRATCH_FILES},
         }
 
     def run(self) -> SubmissionResult:

@@ -22,7 +22,7 @@ from utils.checks.core import Run, Spec
 
 from . import cgroups, kernel
 from .children import Child, Stop
-from .limits import MAX_CALLS, MAX_THREADS, POLL_S
+from .limits import MAX_CALLS, MAX_THREADS, POLL_S, SCRATCH_BYTES, SCRATCH_FILES
 from .messages import _clean_arg, _fields, _int, _str, clean_ready, clean_result
 from .protocol import ProtocolError
 
@@ -103,12 +103,18 @@ class Conversation:
                             f"read during {what} ({exc})", "protocol") from None
 
     def _kernel_limits(self, child: Child) -> None:
-        """Flag a child that reached its control group's task limit: the kernel refused its
-        threads past it, so its code ran with what it had, and earns what it computed."""
-        if "tasks" in child.limits_reached():
+        """Flag a child that reached its control group's task limit or filled its scratch
+        folder: the kernel refused its threads or writes past it, so its code ran with what it
+        had, and earns what it computed."""
+        reached = child.limits_reached()
+        if "tasks" in reached:
             self.result.flag("limits")
             self.result.note(f"your code tried to start more than {MAX_THREADS} threads; the "
                              "kernel refused the rest")
+        if "scratch" in reached:
+            self.result.flag("limits")
+            self.result.note(f"your code filled its folder ({SCRATCH_BYTES // 2**20} MB or "
+                             f"{SCRATCH_FILES} files); the kernel refused what came after")
 
     def _answer(self, child: Child, msg: dict[str, Any], oracle: Any) -> None:
         _fields(msg, {"op", "family", "k", "args"})

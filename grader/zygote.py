@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from . import child, kernel, poison
+from . import child, kernel, namespaces, poison
 from .syscalls import _libc
 
 MAX_MESSAGE = 65536
@@ -176,6 +176,13 @@ def preload() -> None:
 def main(fd: int) -> None:
     """Serve spawn and kill requests on the socket ``fd`` until the grader closes it."""
     kernel.set_parent_death_signal()  # the grader gone, the zygote and its children go too
+    # Process 1 of a PID namespace of its own (the process the grader started waits for it), so
+    # that each child can be process 1 of one of its own (`namespaces.PidNamespaces`).
+    pid_namespaces = None
+    with contextlib.suppress(kernel.KernelError):  # then plain forks (the grader checked)
+        namespaces.become_pid_namespace_init()
+        kernel.set_parent_death_signal()  # its parent is now the waiting process
+        pid_namespaces = namespaces.PidNamespaces()
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
@@ -186,9 +193,10 @@ def main(fd: int) -> None:
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    keep = open_fds() - {fd}
-    _send(sock, {"op": "hello", "threads": thread_count()})
-    children: set[int] = set()
+    keep = open_fds() - {fd} - ({pid_namespaces.own} if pid_namespaces else set())
+    _send(sock, {"op": "hello", "threads": thread_count(), "pid": int(os.readlink("/proc/self")),
+                 "pid_namespaces": pid_namespaces is not None})
+    children: dict[int, int] = {}  # the grader's number of each child: the zygote's number
     spawned = 0
     try:
         while True:
@@ -204,7 +212,10 @@ def main(fd: int) -> None:
                 if spawned == COLLAPSE_AFTER:
                     collapse_into_huge_pages()
                 try:
-                    pid = os.fork()
+                    if pid_namespaces is not None:
+                        pid, seen = pid_namespaces.fork()
+                    else:
+                        pid = seen = os.fork()
                 except OSError as exc:  # no process left on the machine: say so, go on
                     for f in fds:
                         os.close(f)
@@ -215,22 +226,21 @@ def main(fd: int) -> None:
                         _become_child(sock, fds, str(msg["dir"]), keep)
                     finally:
                         os._exit(70)
-                children.add(pid)
+                children[seen] = pid
                 for f in fds:
                     os.close(f)
-                _send(sock, {"pid": pid})
+                _send(sock, {"pid": seen})
             elif msg.get("op") == "kill":
-                pid = int(msg["pid"])
-                if pid in children:
+                pid = children.pop(int(msg["pid"]), None)
+                if pid is not None:
                     _kill(pid)
-                    children.discard(pid)
                 _send(sock, {"ok": True})
             else:
                 for f in fds:
                     os.close(f)
                 _send(sock, {"error": "unknown request"})
     finally:
-        for pid in children:
+        for pid in children.values():
             _kill(pid)
 
 

@@ -78,6 +78,10 @@ class Zygote:
         if hello.get("op") != "hello" or hello.get("threads") != 1:
             self.close()
             raise ZygoteError(f"the zygote is not single-threaded ({hello.get('threads')})")
+        # The process that forks the children: process 1 of a PID namespace of its own, a child
+        # of the process started above (`grader.namespaces`), or that process itself.
+        self.pid = int(hello.get("pid") or self.proc.pid)
+        self.pid_namespaces = bool(hello.get("pid_namespaces"))
 
     def _receive(self, timeout: float) -> dict[str, Any]:
         self.sock.settimeout(timeout)

@@ -54,7 +54,7 @@ FORMULA_NAME = '=HYPERLINK("evil.example","open me")'
 HEADING_NAME = "ann\n# Forged heading"
 LATIN1_NAME = "caf\udce9"  # the folder's name is the bytes b"caf\xe9", not UTF-8
 SURROGATE_SHOWN = "byte \\\\xff here, and \\\\u202e reversed"  # as the raw Markdown holds it
-DEEP_LEVELS = 1500
+DEEP_LEVELS = 900  # folders, under the scratch folder's 1,000 files
 LIVE_ANSWER = """**Answer.**
 
 <!-- ### BEGIN SOLUTION -->
@@ -272,7 +272,7 @@ for _ in range(100_000):  # 100 MB of prints, past the file-size limit
                 f.write(b"x" * 2**20 * 4)
         except OSError:
             break
-''')}, "zero", "limits", "in its folder"),
+''')}, "full", "limits", "filled its folder"),
     "s_sleeps": Attack("S", "a1_attention", {3: _a1_with("", '''
     import time
     time.sleep(3600)
@@ -330,8 +330,9 @@ def test_batch_mask(batch_mask_fn):
 
 raise ValueError("byte \\udcff here, and \\u202e reversed")
 '''}, "full", phrase=SURROGATE_SHOWN),
-    # A scratch folder left 1,500 folders deep with names too long for any path to reach the
-    # bottom: its removal must neither recurse past Python's limit nor leave the folder.
+    # A scratch folder left 900 folders deep with names too long for any path to reach the
+    # bottom: no grader error, nothing left (the grader's removal of a deeper tree, for runs
+    # without the kernel's tmpfs, is tested in tests/test_grading_output.py).
     "s_deep_scratch": Attack("S", "a1_attention", {3: f'''
 import os
 here = os.getcwd()

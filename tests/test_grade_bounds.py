@@ -7,9 +7,10 @@ this process by a module-scoped fixture, so that this process is the grader:
   process of the same user without capabilities (CPU affinity, nice 19, ``SCHED_IDLE``; a
   priority for a process group or a user): each call is refused, its own scheduling stays its
   own to set, and the others' scheduling is unchanged after the run;
-* one that loads native code of its own (a shared object written to its scratch folder and
-  imported: the audit hook refuses ctypes, not this) to make System V shared memory, a message
-  queue and a semaphore set: every call is refused, and no IPC object is left;
+* one that writes native code of its own to its scratch folder (a shared object whose
+  constructor makes System V shared memory, a message queue and a semaphore set) and imports
+  it (the audit hook refuses ctypes, not this): the tmpfs is mounted noexec, so it never runs,
+  and no IPC object is left;
 * one that changes the mode, owner, times and extended attributes of a file outside its
   scratch folder (a child run as uid 0 without capabilities owns every root-owned file): each
   call is refused and the file is unchanged;
@@ -17,18 +18,24 @@ this process by a module-scoped fixture, so that this process is the grader:
   limit: scored as a timeout, stopped soon after its limit, not accepted when it answers;
 * one that starts 300 threads: the kernel stops it at its control group's 64 tasks, and the
   group is gone after the run;
-* one that compares its IPC, network and host-name namespaces with the grader's: all its own.
+* one that compares its IPC, network, host-name, control-group, PID and mount namespaces with
+  the grader's (all its own), then writes more bytes and more files than its scratch folder
+  holds: the kernel refuses them, and the run is flagged ``limits``.
 
-Then, without a notebook: a control group holds its limits and goes with its process; an
-ordinary user (a fork become user 65534) enters the namespaces through a user namespace and is
-told why it has no control group; root without capabilities is refused by the grader, which
-says why.
+Then, without a notebook: the same shared object loaded by a process under the child's
+system-call filter makes no IPC object (each call refused with EPERM); a control group holds
+its limits and goes with its process; an ordinary user (a fork become user 65534) enters the
+namespaces through a user namespace, takes every step of the zygote's PID namespaces and a
+child's tmpfs, and is told why it has no control group; root without capabilities is refused
+by the grader, which says why.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -41,8 +48,8 @@ import pytest
 from hostile_submissions import _a1_with
 from notebooks import ROOT
 
-from grader import cgroups, kernel
-from grader.limits import MAX_THREADS, Limits
+from grader import cgroups, kernel, namespaces
+from grader.limits import MAX_THREADS, SCRATCH_BYTES, SCRATCH_FILES, Limits
 from grader.sandbox import Grading
 from grader.zygote_client import shared_zygote
 from utils.checks import ASSIGNMENTS
@@ -67,7 +74,7 @@ def _notebook(cell: str, path: Path) -> Path:
 
 
 def _without_capabilities() -> None:
-    if kernel._has_capabilities():
+    if kernel.has_capabilities():
         kernel.drop_privileges()
 
 
@@ -87,8 +94,9 @@ CALLS = (
     lambda p: os.sched_setscheduler(p, os.SCHED_IDLE, os.sched_param(0)),
     lambda p: os.sched_setparam(p, os.sched_param(0)),
 )
-ACTED = []
-for target in (os.getppid(), GRADER, ZYGOTE, VICTIM):
+# In a PID namespace of its own, its parent has no number it could name.
+ACTED = [] if os.getppid() == 0 and os.getpid() == 1 else ["a parent it can name"]
+for target in (GRADER, ZYGOTE, VICTIM):
     for number, call in enumerate(CALLS):
         try:
             call(target)
@@ -156,6 +164,8 @@ __attribute__((constructor)) static void probe(void) {
 }
 '''
 
+# The probe, written to the scratch folder and imported: the tmpfs holding that folder is
+# mounted noexec, so the dynamic loader cannot map its code, and its constructor never runs.
 _IPC = '''
 import base64, importlib.util, os
 
@@ -164,12 +174,11 @@ with open(path, "wb") as f:
     f.write(base64.b64decode(PROBE))
 try:
     importlib.util.module_from_spec(importlib.util.spec_from_file_location("ipc_probe", path))
-except ImportError:
-    pass  # no init function: its constructor has run
-with open("ipc_probe.txt") as f:
-    IPC = [tuple(map(int, line.split())) for line in f]
-ACTED = len(IPC) != 4 or any(r != -1 or e != 1 for r, e in IPC)  # refused: -1, EPERM
+except ImportError as exc:
+    REFUSED = "failed to map segment" in str(exc)
+ACTED = os.path.exists("ipc_probe.txt") or not REFUSED
 '''
+
 
 # A thread bomb: the kernel's task limit of the child's control group (MAX_THREADS, threads
 # included) stops it, inside the child, whatever the grader polls.
@@ -186,12 +195,32 @@ except RuntimeError:  # "can't start new thread": the kernel said EAGAIN
 ACTED = STARTED >= MAX_THREADS
 '''
 
-# The child's namespaces, read from its own /proc entry: none may be the grader's.
+# The child's namespaces, read from its own /proc entry: none may be the grader's. Its
+# scratch folder is a tmpfs of its own, which the kernel holds to SCRATCH_BYTES and
+# SCRATCH_FILES: a bigger file and more files are refused (ENOSPC) where they are written.
 _NAMESPACES = '''
-import os
+import errno, os
 
 ACTED = [kind for kind, grader in GRADER_NS.items()
          if os.readlink(f"/proc/self/ns/{kind}") == grader]
+WRITTEN = 0  # in files of 8 MiB, under the limit on one file's size (RLIMIT_FSIZE)
+try:
+    for i in range(SCRATCH_BYTES // 2**23 + 2):
+        with open(f"big{i}", "wb") as f:
+            for _ in range(8):
+                WRITTEN += f.write(bytes(2**20))
+except OSError as exc:
+    ACTED += [] if exc.errno == errno.ENOSPC else ["big: " + str(exc)]
+for name in os.listdir("."):
+    if name.startswith("big"):
+        os.remove(name)
+FILES = 0
+try:
+    for FILES in range(SCRATCH_FILES + 8):
+        open(f"f{FILES}", "w").close()
+except OSError as exc:
+    ACTED += [] if exc.errno == errno.ENOSPC else ["files: " + str(exc)]
+ACTED += ["big"] * (WRITTEN > SCRATCH_BYTES) + ["files"] * (FILES >= SCRATCH_FILES)
 '''
 
 # The first case keeps the grader's pipe busy (a listing of /proc, which sends a "blocked"
@@ -249,7 +278,7 @@ def _grade(path: Path, limits: Limits | None = None) -> tuple:
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("bounds")
     zygote = shared_zygote()
-    zygote_pid = zygote.proc.pid if zygote is not None else os.getpid()
+    zygote_pid = zygote.pid if zygote is not None else os.getpid()
     # A process of the same user that holds no capability, as every process of a grader run
     # by an ordinary user is (as root, the kernel itself refuses a capless child's calls on the
     # grader and the zygote, which hold capabilities it lacks).
@@ -299,8 +328,10 @@ def graded(tmp_path_factory):
                                       base / "threads" / "a1_attention.ipynb"))
     out["groups"] = (groups_before, _groups())
     grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}")
-                 for kind in ("ipc", "net", "uts", "cgroup")}
-    cell = _NAMESPACES.replace("GRADER_NS", repr(grader_ns))
+                 for kind in ("ipc", "net", "uts", "cgroup", "pid", "mnt")}
+    cell = (_NAMESPACES.replace("GRADER_NS", repr(grader_ns))
+            .replace("SCRATCH_BYTES", str(SCRATCH_BYTES))
+            .replace("SCRATCH_FILES", str(SCRATCH_FILES)))
     out["namespaces"] = _grade(_notebook(_a1_with(cell, "    if ACTED:\n        return q, k\n"),
                                          base / "namespaces" / "a1_attention.ipynb"))
     out["flood"] = _grade(_notebook(_a1_with("import os, time", _FLOOD),
@@ -350,11 +381,38 @@ def test_the_file_outside_the_scratch_folder_is_unchanged(graded):
 # System V IPC: none at all
 
 
-def test_native_code_can_make_no_system_v_ipc_object(graded):
+def test_native_code_written_to_scratch_cannot_be_loaded(graded):
     if "ipc" not in graded:
         pytest.skip("no C compiler to build the probe")
     result, _, _ = graded["ipc"]
     assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_native_code_under_the_filter_can_make_no_system_v_ipc_object(tmp_path):
+    """The probe loaded from a folder where code may run, by a process under the child's
+    system-call filter: each of its four calls is refused with EPERM, and nothing is left."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the probe")
+    (tmp_path / "ipc_probe.c").write_text(_PROBE_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "ipc_probe.so"),
+                    str(tmp_path / "ipc_probe.c")], check=True)
+    before = _sysv()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(tmp_path)
+            kernel.seccomp()
+            ctypes.CDLL(str(tmp_path / "ipc_probe.so"))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    lines = (tmp_path / "ipc_probe.txt").read_text().split("\n")
+    assert [tuple(map(int, line.split())) for line in lines if line] == [(-1, errno.EPERM)] * 4
+    assert _sysv() == before
 
 
 def test_no_ipc_object_is_left(graded):
@@ -399,9 +457,11 @@ def test_every_childs_control_group_is_removed(graded):
     assert before == [] and after == []
 
 
-def test_a_child_has_ipc_network_host_name_and_cgroup_namespaces_of_its_own(graded):
+def test_a_child_has_namespaces_of_its_own_and_a_scratch_folder_the_kernel_bounds(graded):
     result, _, _ = graded["namespaces"]
-    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+    # Its files are left filling the folder: flagged, the right function's points kept.
+    assert (result.points, result.flags, result.cell_errors) == (10.0, ["limits"], [])
+    assert any("filled its folder" in note for note in result.notes)
 
 
 def test_a_childs_group_holds_its_limits_and_goes_with_it():
@@ -463,7 +523,7 @@ def _as_ordinary_user(work) -> str:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become an ordinary user")
 def test_an_ordinary_user_enters_the_namespaces_through_a_user_namespace():
     grader_ns = {kind: os.readlink(f"/proc/self/ns/{kind}")
-                 for kind in ("ipc", "net", "uts", "cgroup")}
+                 for kind in ("ipc", "net", "uts", "cgroup", "mnt")}
 
     def enter() -> str:
         kernel.own_namespaces()
@@ -472,6 +532,9 @@ def test_an_ordinary_user_enters_the_namespaces_through_a_user_namespace():
 
     user = os.readlink("/proc/self/ns/user")
     assert _as_ordinary_user(enter) == "own user namespace: True; same: []"
+    # And every step of the zygote and a child: a PID namespace for each of two children in
+    # turn, their namespaces, and a tmpfs scratch folder.
+    assert _as_ordinary_user(namespaces.trial) == ""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become an ordinary user")

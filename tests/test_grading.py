@@ -227,10 +227,10 @@ def test_the_zygote_kills_and_reaps_its_children(tmp_path):
                 pid, *ends = zygote.spawn(tmp_path)
                 fds += ends
                 assert zygote.kill(pid)
-            before = _anon_huge_kib(zygote.proc.pid)
+            before = _anon_huge_kib(zygote.pid)
             pid, *ends = zygote.spawn(tmp_path)
             fds += ends
-            assert _anon_huge_kib(zygote.proc.pid) >= max(before, 64 * 1024)  # of its ~240 MiB
+            assert _anon_huge_kib(zygote.pid) >= max(before, 64 * 1024)  # of its ~240 MiB
             if "[madvise]" in THP_ENABLED.read_text():  # no huge page but those asked for
                 assert before == 0
     finally:

@@ -1,4 +1,6 @@
-"""The hostile suite: a class of attacks on the grader, graded in one run of the command line.
+"""The hostile suite: a class of attacks on the grader, graded in one run of the command line,
+twice: by root and by an ordinary user (user 65534, with control groups delegated to it, as
+`ordinary_user` sets up), with the same expectations each time.
 
 Every attack of `hostile_submissions.ATTACKS` gets exactly the score and the flag it must get,
 next to an honest student whose notebook the attacks aim at. Afterwards every other file is
@@ -15,12 +17,14 @@ import csv
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import nbformat
+import ordinary_user
 import pytest
 from hostile_submissions import (
     ATTACKS,
@@ -91,11 +95,24 @@ def _processes_in(folder: Path) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def hostile(tmp_path_factory):
-    base = tmp_path_factory.mktemp("hostile")
+@pytest.fixture(scope="module", params=["root", "ordinary user"])
+def hostile(request, tmp_path_factory):
+    """The class graded once by root, once by an ordinary user (`ordinary_user`), each with
+    the same expectations."""
+    user = None
+    if request.param == "ordinary user":
+        if ordinary_user.reason():
+            pytest.skip(ordinary_user.reason())
+        user = ordinary_user.OrdinaryUser()
+        request.addfinalizer(user.close)
+        base = user.folder()
+        request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    else:
+        base = tmp_path_factory.mktemp("hostile")
     submitted, out, scratch = base / "submitted", base / "out", base / "tmp"
     scratch.mkdir()
+    if user is not None:
+        os.chown(scratch, ordinary_user.UID, ordinary_user.GID)
     outside = base / "outside.txt"
     outside.write_text("untouched\n")
     victim = submitted / "victim" / "a1_attention.ipynb"
@@ -134,7 +151,8 @@ def hostile(tmp_path_factory):
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-c", MEASURED, str(SCRIPT), str(submitted), "--out",
                           str(out), "--case-timeout", "2", "--cells-timeout", "10", "--quiet"],
-                         capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+                         capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env,
+                         preexec_fn=user.preexec if user is not None else None)
     elapsed = time.monotonic() - start
     assert run.returncode == 0, run.stderr[-3000:]
     grades = _digest(out / "grades.csv")
@@ -149,7 +167,8 @@ def hostile(tmp_path_factory):
             "out": out, "run": run, "before": before, "after": _digests(list(before)),
             "grades": grades, "grades_later": _digest(out / "grades.csv"), "left": left,
             "left_later": _processes_in(scratch), "scratch": scratch, "elapsed": elapsed,
-            "outside": outside, "victim": victim}
+            "outside": outside, "victim": victim, "user": request.param,
+            "owner": (out / "grades.csv").stat().st_uid}
 
 
 def _feedback_path(hostile, student: str, assignment: str) -> Path:
@@ -189,6 +208,12 @@ def test_each_attack_gets_exactly_what_it_deserves(hostile, student):
         assert float(row[column]) == points, (column, feedback)
     if attack.kind == "Z":
         assert row["flags"] == "", feedback
+
+
+def test_the_grader_ran_as_its_user(hostile):
+    """The ordinary user's run is one: what the grader wrote belongs to that user."""
+    assert hostile["owner"] == (ordinary_user.UID if hostile["user"] == "ordinary user"
+                                else os.geteuid())
 
 
 def test_the_grader_stays_small(hostile):
@@ -309,9 +334,9 @@ def test_a_cell_error_with_a_surrogate_and_a_bidi_override_is_shown_escaped(host
 
 
 def test_a_deep_scratch_tree_is_removed_without_a_grader_error(hostile):
-    """Thousands of nested folders in a child's scratch folder: removed, no grader error (the
+    """Hundreds of nested folders in a child's scratch folder: gone, no grader error (the
     folder's absence is checked with every scratch folder's, above)."""
-    assert DEEP_LEVELS > 1000  # past Python's recursion limit
+    assert DEEP_LEVELS * 255 > 50 * 4096  # a path far past PATH_MAX
     assert all("grader error" not in r["flags"] for r in hostile["all_rows"])
     assert hostile["rows"]["s_deep_scratch"]["flags"] == ""
 
