@@ -27,7 +27,9 @@ The processes it starts, and what they import:
 * `child`: the sandboxed child that runs one submission's code (``python -I -B -m
   grader.child`` where there is no fork), with `ipython_shell` (what stands for IPython),
   `poison` with `families` (forbidden code replaced before the student's first line) and
-  `kernel`, the kernel's confinement, on `landlock`, `seccomp`, `processes` and `syscalls`;
+  `kernel`, the kernel's confinement, on `namespaces` (a PID namespace per child, made by the
+  zygote, and the child's other namespaces and tmpfs scratch folder), `landlock`, `seccomp`,
+  `processes` and `syscalls`;
 * `protocol`: the bounded frames both sides write and read.
 
 A child confines itself after it has imported all of the above: under Landlock it can read

@@ -13,12 +13,13 @@ a line of the student's (the child waits for its start message, which comes afte
   past it the kernel reclaims and then kills the child alone.
 
 Both versions of the interface are served: version 2 (the unified tree, where the grader's own
-group must have the controllers delegated to it, as systemd does with ``Delegate=yes``) and
-version 1 (one tree per controller). `available` says which controllers the grader can use and,
-when one is missing, why; the grader refuses to run without them unless ``--insecure``. Groups
-are named after the grader (its pid namespace, pid and a random token) and a count of its
-children, under the grader's own group, and removed
-once the child is reaped (`release`); `events` says whether a child reached a limit.
+group must be delegated to it, as systemd does with ``Delegate=yes``, and hold no other
+process: the grader moves itself into a group below it and hands the controllers down,
+`_v2_delegate`) and version 1 (one tree per controller). `available` says which controllers
+the grader can use and, when one is missing, why; the grader refuses to run without them
+unless ``--insecure``. Groups are named after the grader (its pid namespace, pid and a random
+token) and a count of its children, under the grader's own group, and removed once the child
+is reaped (`release`); `events` says whether a child reached a limit.
 """
 
 from __future__ import annotations
@@ -72,9 +73,7 @@ def _base() -> tuple[dict[str, Path], bool, str]:
     name = f"grader-{_namespace()}-{os.getpid()}-{secrets.token_hex(4)}"
     if tree is not None and "" in own:
         parent = tree / own[""].lstrip("/")
-        enabled = set((parent / "cgroup.subtree_control").read_text().split()) \
-            if (parent / "cgroup.subtree_control").exists() else set()
-        if set(CONTROLLERS) <= enabled and os.access(parent, os.W_OK):
+        if os.access(parent, os.W_OK) and _v2_delegate(parent, name):
             return {c: parent / name for c in CONTROLLERS}, True, ""
     dirs, missing = {}, []
     for c in CONTROLLERS:
@@ -85,9 +84,36 @@ def _base() -> tuple[dict[str, Path], bool, str]:
             missing.append(c)
     if missing:
         return {}, False, (f"no {' or '.join(missing)} control group the grader may write "
-                           f"(version 1 under {ROOT}, or version 2 with the controllers "
-                           f"delegated to the grader's own group)")
+                           f"(version 1 under {ROOT}, or version 2: a group delegated to "
+                           f"the grader, holding no other process)")
     return dirs, False, ""
+
+
+def _v2_delegate(parent: Path, name: str) -> bool:
+    """Whether the grader's own version-2 group ``parent`` hands the controllers down to the
+    groups it will make; if it does not yet, make it so where the grader is the only process
+    in it. A group that holds processes cannot also hand controllers down, so the grader first
+    moves itself into a group of its own under ``parent`` (named like its children's parent,
+    so that `_sweep` removes it after the grader is gone), then enables them."""
+    def controllers(file: str) -> set[str]:
+        with contextlib.suppress(OSError):
+            return set((parent / file).read_text().split())
+        return set()
+
+    if set(CONTROLLERS) <= controllers("cgroup.subtree_control"):
+        return True
+    if not set(CONTROLLERS) <= controllers("cgroup.controllers"):
+        return False
+    try:
+        if set((parent / "cgroup.procs").read_text().split()) != {str(os.getpid())}:
+            return False  # other processes share the group: they could not all be moved
+        own = parent / f"{name}-self"
+        own.mkdir(exist_ok=True)
+        _write(own / "cgroup.procs", "0")
+        _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
+    except OSError:
+        return False
+    return True
 
 
 _state: dict[str, object] = {}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-SCRATCH_BYTES = 64 * 2**20  # what a child may leave in its folder
-SCRATCH_FILES = 1000
+SCRATCH_BYTES = 64 * 2**20  # the size of a child's scratch tmpfs (`namespaces.scratch_on_tmpfs`)
+SCRATCH_FILES = 1000  # its files and folders
 POLL_S = 0.1
 MAX_CALLS = 5000  # oracle calls answered in one run of a case
 MAX_THREADS = 64  # threads of one child: more is a bomb aimed at the machine's process table

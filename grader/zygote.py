@@ -26,6 +26,10 @@ What a forked child inherits, and what it does about it before the student's fir
   and sets ``HOME`` and ``TMPDIR`` there, as a fresh child has them;
 * signal handlers: Ctrl-C, which the zygote ignores, raises KeyboardInterrupt again, as in a fresh
   interpreter.
+* process ids: where the kernel allows it, the zygote goes on as process 1 of a PID namespace
+  of its own (the process the grader started waits for it) and forks each child as process 1
+  of a namespace of its own (`grader.namespaces`); the child tells the zygote its number as the
+  grader sees it, which is what the zygote answers and what the grader's kills name.
 
 `grader.child.serve` then sets the resource limits and installs the monitor, exactly as in
 a fresh child. The zygote keeps every child it forked until the grader asks it to kill and reap
@@ -33,8 +37,9 @@ it, so that a process id can never be reused between the grader's decision and t
 
 Requests and answers are JSON, one per socket message: ``{"op": "spawn", "dir": PATH}`` with the
 child's two pipe ends attached answers ``{"pid": PID}``; ``{"op": "kill", "pid": PID}`` answers
-``{"ok": true}``. The zygote's first message is ``{"op": "hello", "threads": N}``. When the grader
-closes its end, the zygote kills its remaining children and exits.
+``{"ok": true}``. The zygote's first message is ``{"op": "hello", "threads": N, "pid": PID,
+"pid_namespaces": BOOL}``, PID being the forking process's number as the grader sees it.
+When the grader closes its end, the zygote kills its remaining children and exits.
 """
 
 from __future__ import annotations

@@ -597,3 +597,30 @@ def test_the_sweep_removes_only_dead_graders_of_its_own_pid_namespace():
         for d in (ours / "child-1", ours, other / "child-1", other):
             with contextlib.suppress(OSError):
                 d.rmdir()
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_a_delegated_version_2_group_is_handed_down_only_when_the_grader_is_alone(
+        tmp_path, monkeypatch, others):
+    """On a version-2 tree (a stand-in folder here: this machine has version 1), the grader
+    moves itself into a group of its own and enables the controllers for its children; with
+    another process in its group it changes nothing and says why."""
+    scope = tmp_path / "user.slice" / "grade.scope"
+    scope.mkdir(parents=True)
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (scope / "cgroup.controllers").write_text("cpu memory pids\n")
+    (scope / "cgroup.subtree_control").write_text("")
+    (scope / "cgroup.procs").write_text(f"{os.getpid()}\n" + ("4242\n" if others else ""))
+    monkeypatch.setattr(cgroups, "ROOT", tmp_path)
+    monkeypatch.setattr(cgroups, "_own_paths", lambda: {"": "/user.slice/grade.scope"})
+    dirs, v2, why = cgroups._base()
+    selves = list(scope.glob("grader-*-self"))
+    if others:
+        assert (dirs, selves, (scope / "cgroup.subtree_control").read_text()) == ({}, [], "")
+        assert "holding no other process" in why
+    else:
+        assert v2 and why == "" and set(dirs) == {"pids", "memory"}
+        assert dirs["pids"] == dirs["memory"] and dirs["pids"].parent == scope
+        assert [p.name for p in selves] == [dirs["pids"].name + "-self"]
+        assert (selves[0] / "cgroup.procs").read_text() == "0"
+        assert (scope / "cgroup.subtree_control").read_text() == "+pids +memory"
