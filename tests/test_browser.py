@@ -16,7 +16,8 @@ what was recorded:
 - no stray output (``None``, an object's repr such as ``<Figure size ...>``) in any cell;
 - every page links the book's repository and offers its source (.ipynb or .md) for download;
 - the search page finds "softmax"; the next and previous links follow the table of contents;
-  the sidebar lists exactly the pages of _toc.yml; index.html leads to the intro.
+  the sidebar lists exactly the pages of _toc.yml; index.html leads to the intro;
+- the ☰ and "Contents" buttons work: tapped at 390 px, by keyboard at 900 px, clicked at 1280 px.
 
 Every page is visited twice, in a 1280x800 window and as a 390x844 phone, and its layout is
 measured (``LAYOUT``). At 1280 px: at most 5 % of the code cells and 5 % of the cell outputs
@@ -820,6 +821,118 @@ def test_search_finds_softmax(book_url, browser, visits):
         assert chapter1 in pages, f"chapter 1 is not among the results {sorted(pages)}"
     problems = {k: p for k, p in all_problems(v).items() if p}
     assert not problems, f"the search page: {problems}"
+
+
+# The sidebar (☰) and "Contents" buttons, pressed as a reader would: what each must show. A
+# drawer is a <dialog> the theme fills with the sidebar's content and opens modally.
+DRAWERS = r"""
+const seen = (el) => !!el && el.getClientRects().length > 0
+  && getComputedStyle(el).visibility !== "hidden";
+const drawer = (id) => document.getElementById(id);
+return {
+  primaryOpen: !!(drawer("pst-primary-sidebar-modal") || {}).open
+    && seen(drawer("pst-primary-sidebar-modal")),
+  secondaryOpen: !!(drawer("pst-secondary-sidebar-modal") || {}).open
+    && seen(drawer("pst-secondary-sidebar-modal")),
+  sidebarShown: seen(document.getElementById("pst-primary-sidebar"))
+    && !document.getElementById("pst-primary-sidebar").classList.contains("pst-sidebar-hidden"),
+  chapterLinks: [...document.querySelectorAll("#pst-primary-sidebar-modal a.reference.internal")]
+    .filter(seen).map((a) => a.href),
+  tocLinks: [...document.querySelectorAll("#pst-secondary-sidebar-modal nav a")]
+    .filter(seen).length,
+};
+"""
+
+
+def _visible_button(driver, kind: str):
+    """The one button of `kind` (primary-toggle, secondary-toggle) that the reader sees."""
+    shown = [b for b in driver.find_elements("css selector", f"button.{kind}") if b.is_displayed()]
+    assert len(shown) == 1, f"{len(shown)} visible {kind} buttons"
+    return shown[0]
+
+
+def _open_page(driver, url: str) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url)
+    WebDriverWait(driver, 30).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
+
+
+def check_menus(driver, book_url: str) -> list[str]:
+    """Press the menus at 390 px (a phone, by tap), 900 px (by keyboard) and 1280 px (by
+    click); returns what went wrong."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    problems = []
+    page = urljoin(book_url, "book/03_multi_head_attention.html")
+    target = _canonical(urljoin(book_url, "book/04_masking.html"))
+    for width, height, how in ((390, 844, "tap"), (900, 800, "keyboard"), (1280, 800, "click")):
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 500},
+        )
+        if how == "tap":
+            driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": True})
+        try:
+            _open_page(driver, page)
+
+            def press(kind: str, how: str = how) -> None:
+                button = _visible_button(driver, kind)
+                if how == "keyboard":
+                    driver.execute_script("arguments[0].focus()", button)
+                    button.send_keys(Keys.ENTER)
+                else:
+                    button.click()
+                time.sleep(0.3)  # the drawer's opening transition
+
+            state = driver.execute_script(DRAWERS)
+            if width >= 992:  # the sidebar is on the page: ☰ folds it away and back
+                press("primary-toggle")
+                folded = driver.execute_script(DRAWERS)["sidebarShown"]
+                press("primary-toggle")
+                back = driver.execute_script(DRAWERS)["sidebarShown"]
+                shown = state["sidebarShown"]
+                if (shown, folded, back) != (True, False, True):
+                    problems.append(f"{width} px: ☰ by {how}: sidebar shown {shown}, after a "
+                                    f"press {folded}, after another {back}")
+                continue
+            press("primary-toggle")
+            state = driver.execute_script(DRAWERS)
+            if not state["primaryOpen"] or target not in map(_canonical, state["chapterLinks"]):
+                problems.append(f"{width} px: ☰ by {how} showed no chapter list ({state})")
+                continue
+            link = next(a for a in driver.find_elements(
+                "css selector", "#pst-primary-sidebar-modal a.reference.internal")
+                if a.is_displayed() and _canonical(a.get_attribute("href")) == target)
+            if how == "keyboard":
+                link.send_keys(Keys.ENTER)
+            else:
+                link.click()
+            WebDriverWait(driver, 30).until(lambda d: _canonical(d.current_url) == target)
+            press("secondary-toggle")
+            state = driver.execute_script(DRAWERS)
+            if not state["secondaryOpen"] or state["tocLinks"] < 3:
+                problems.append(f"{width} px: Contents by {how} showed no contents ({state})")
+                continue
+            driver.switch_to.active_element.send_keys(Keys.ESCAPE)
+            time.sleep(0.3)
+            if driver.execute_script(DRAWERS)["secondaryOpen"]:
+                problems.append(f"{width} px: Escape left the contents open")
+        finally:
+            driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
+            driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    driver.get("about:blank")
+    return problems
+
+
+def test_menus_open_by_tap_click_and_keyboard(book_url, browser, visits):
+    """☰ opens the chapter list and "Contents" the page's sections, on a phone by tap and at
+    900 px by keyboard, and a chapter link in the list leads to its chapter; at 1280 px ☰ folds
+    the sidebar away and back."""
+    assert not (problems := check_menus(browser, book_url)), "\n".join(problems)
 
 
 def test_screenshots_are_saved(visits, phone_visits):

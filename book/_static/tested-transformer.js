@@ -13,3 +13,22 @@ document.addEventListener("DOMContentLoaded", () => {
     link.appendChild(img);
   }
 });
+
+// The sidebar (☰) and "Contents" buttons. The two themes of the book each bind their handler
+// to the first button of its kind on the page (`document.querySelector`), and since
+// pydata-sphinx-theme 0.17 the first one is a copy in the top bar that sphinx-book-theme hides,
+// so the button the reader sees does nothing (pydata-sphinx-theme issue 2451). Every other
+// button of a kind hands its click to the first, whose handlers then open the drawer (narrow
+// screens) or fold the sidebar away (wide ones). A keyboard's Enter or Space is a click too.
+document.addEventListener("DOMContentLoaded", () => {
+  for (const kind of [".primary-toggle", ".secondary-toggle"]) {
+    const [bound, ...others] = document.querySelectorAll(kind);
+    for (const button of others) {
+      button.addEventListener("click", (event) => {
+        event.preventDefault();
+        event.stopPropagation();
+        bound.click();
+      });
+    }
+  }
+});
