@@ -194,7 +194,7 @@ def test_right_code_passes(capsys):
     result = check_decoder_layer(_variant())
     assert result.passed and result.points == result.max_points == 18
     out = capsys.readouterr().out
-    assert "[FAIL]" not in out and "11/11 cases passed (score 1.00)" in out
+    assert "[FAIL]" not in out and "11/11 cases passed, 18 of 18 points" in out
 
 
 def test_the_book_solution_passes():

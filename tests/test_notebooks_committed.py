@@ -64,3 +64,14 @@ def test_no_errors_or_skips(path):
             assert not re.match(r"<matplotlib\.\w+.* at 0x", text), (
                 f"code cell {i} shows a matplotlib repr: end plotting cells with plt.show()"
             )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_no_cell_writes_to_stderr(path):
+    """A warning or a log line in a stored output is something a reader's kernel prints too
+    (nbval compares the streams): it is fixed at its cause, not stored."""
+    for i, cell in enumerate(_code_cells(path), start=1):
+        for out in cell.get("outputs", []):
+            assert not (out.get("output_type") == "stream" and out.get("name") == "stderr"), (
+                f"code cell {i} writes to stderr: {''.join(out.get('text', ''))[:200]!r}"
+            )

@@ -72,7 +72,8 @@ class CheckResult:
     def summary(self) -> str:
         """The last printed line."""
         n_pass = sum(c.passed for c in self.cases)
-        return f"{self.check}: {n_pass}/{len(self.cases)} cases passed (score {self.score:.2f})"
+        return (f"{self.check}: {n_pass}/{len(self.cases)} cases passed, "
+                f"{self.points:g} of {self.max_points:g} points")
 
     def __repr__(self) -> str:
         return f"CheckResult({self.check!r}, passed={self.passed}, score={self.score:.2f})"
