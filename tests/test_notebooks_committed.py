@@ -75,3 +75,15 @@ def test_no_cell_writes_to_stderr(path):
             assert not (out.get("output_type") == "stream" and out.get("name") == "stderr"), (
                 f"code cell {i} writes to stderr: {''.join(out.get('text', ''))[:200]!r}"
             )
+
+
+def test_the_readmes_chapter_map_has_the_books_titles():
+    """Each row of the README's chapter map names its chapter as the chapter's title does."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| (\d+) \| ([^|]+?) \|", readme, re.M))
+    chapters = sorted(ROOT.glob("book/[0-9][0-9]_*.ipynb"))
+    assert sorted(int(n) for n in rows) == list(range(1, len(chapters) + 1))
+    for path in chapters:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        first = "".join(nb["cells"][0]["source"]).splitlines()[0]
+        assert rows[str(int(path.name[:2]))] == first.removeprefix("# ").strip(), path.name
