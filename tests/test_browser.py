@@ -21,16 +21,17 @@ what was recorded:
 
 Every page is visited twice, in a 1280x800 window and as a 390x844 phone, and its layout is
 measured (``LAYOUT``). At 1280 px: at most 5 % of the code cells and 5 % of the cell outputs
-scroll sideways, no table is clipped, no page scrolls sideways. On the phone: no page scrolls
-sideways as a whole (long inline code wraps), a display equation wider than the screen scrolls
-inside its own box, no table is clipped, every notebook figure fills the column and is a link
-to its full-size image. The measurements go to ``test-artifacts/layout.json`` and to the
-one-line summaries that pytest prints; a screenshot of every page at both sizes goes to
-``test-artifacts/screenshots/1280x800/`` and ``.../390x844/`` (git-ignored): the first screen of
-each page, or the whole page with ``BROWSER_SCREENSHOTS=full`` in the environment. (A full-page
-shot lays the page out again in a viewport up to 30,000 px tall and rasterises it: about a second
-a page, as long as loading it, so the everyday run keeps to the first screen; every check above
-measures the whole page either way.)
+scroll sideways, every display equation fits its column, no table is clipped, no page scrolls
+sideways. On the phone: no page scrolls sideways as a whole (long inline code wraps), a display
+equation wider than the screen scrolls inside its own box with a shadow at its edge, no table is
+clipped, every notebook figure fills the column and is a link to its full-size image. At both
+sizes no equation's number is drawn over its equation. The measurements go to
+``test-artifacts/layout.json`` and to the one-line summaries that pytest prints; a screenshot of
+every page at both sizes goes to ``test-artifacts/screenshots/1280x800/`` and ``.../390x844/``
+(git-ignored): the first screen of each page, or the whole page with ``BROWSER_SCREENSHOTS=full``
+in the environment. (A full-page shot lays the page out again in a viewport up to 30,000 px tall
+and rasterises it: about a second a page, as long as loading it, so the everyday run keeps to the
+first screen; every check above measures the whole page either way.)
 ``test_checks_catch_a_broken_page`` feeds the same checks a page that breaks every rule, to prove
 that they can fail.
 """
@@ -269,6 +270,21 @@ const wideEquations = equations.filter(
 const loose = wideEquations
   .filter((m) => !(canScroll(m) && m.getBoundingClientRect().right <= vw + 1))
   .map((m) => `equation ${where(m)}: neither fits nor scrolls in its own box`);
+// A wide equation shows that it scrolls: a shadow (a gradient) at the edge with more beyond.
+const uncued = wideEquations.filter((m) => !/gradient/.test(getComputedStyle(m).backgroundImage))
+  .map((m) => `equation ${where(m)}: scrolls with nothing to show it`);
+// An equation's number is never drawn over the visible part of its equation.
+const overNumbers = [...document.querySelectorAll("div.math > span.eqno")].flatMap((n) => {
+  const m = n.parentElement.querySelector('mjx-container[display="true"]');
+  if (!m) return [];
+  const a = n.getBoundingClientRect(), box = m.getBoundingClientRect();
+  const ink = (m.querySelector("mjx-math") || m).getBoundingClientRect();
+  const left = Math.max(box.left, ink.left), right = Math.min(box.right, ink.right);
+  const top = Math.max(box.top, ink.top), bottom = Math.min(box.bottom, ink.bottom);
+  const over = a.left < right - 1 && left < a.right - 1 && a.top < bottom - 1 && top < a.bottom - 1;
+  return over ? [`equation ${n.textContent.replace("#", "").trim()} ${where(m)}: its number `
+                 + `is drawn over it`] : [];
+});
 // Whatever reaches past the window's right edge outside a box that clips or scrolls it.
 const sticking = [];
 for (const e of main.querySelectorAll("*")) {
@@ -304,7 +320,8 @@ return {
   codeCells: code.length, wideCode,
   outputs: outputs.length, wideOutputs,
   tables: tables.length, clippedTables,
-  equations: equations.length, wideEquations: wideEquations.length, loose,
+  equations: equations.length, wideEquations: wideEquations.length, loose, uncued,
+  overNumbers,
   sticking: sticking.slice(0, 5), stickingCount: sticking.length,
   figures,
 };
@@ -962,7 +979,7 @@ def layout_problems(visit: Visit, phone: bool) -> list[str]:
         problems.append(f"the page scrolls sideways by {lay['pageScroll']} px")
     problems += lay["sticking"]
     problems += lay["clippedTables"]
-    problems += lay["loose"]
+    problems += lay["loose"] + lay["uncued"] + lay["overNumbers"]
     if phone:
         for f in lay["figures"]:
             if f["shown"] < 0.9 * f["column"]:
@@ -971,6 +988,14 @@ def layout_problems(visit: Visit, phone: bool) -> list[str]:
             if not f["fullSize"]:
                 problems.append(f"figure {f['src']} does not open full size")
     return problems
+
+
+def test_equations_fit_the_column_at_1280(visits):
+    """At 1280x800 every display equation fits its column (the long ones are split over lines),
+    beside its number; the number never covers an equation at either size (`layout_problems`)."""
+    wide = {v.name: v.page["layout"]["wideEquations"] for v in visits
+            if v.page["layout"]["wideEquations"]}
+    assert not wide, f"display equations wider than the column at 1280 px: {wide}"
 
 
 def test_code_and_outputs_fit_the_column_at_1280(visits):
@@ -1244,6 +1269,8 @@ BROKEN_PAGE = r"""<!DOCTYPE html>
 <div style="overflow: hidden; width: 300px"><table style="width: 900px"><tr><td>a table cut
 off by its box</td></tr></table></div>
 <p><span class="math">\[%(long_sum)s\]</span></p>
+<div class="math" style="position: relative"><span class="eqno"
+ style="position: absolute; left: 50%%; top: 0">(9.9)</span>\[a + b = c\]</div>
 <script>console.error("something broke");</script>
 </main></body></html>
 """
@@ -1299,6 +1326,8 @@ def test_checks_catch_a_broken_page(browser, built_book, tmp_path):
     assert "the page scrolls sideways by" in desktop, desktop
     assert "table " in desktop and "px wide" in desktop, desktop  # the clipped table
     assert "neither fits nor scrolls in its own box" in desktop, desktop
+    assert "scrolls with nothing to show it" in desktop, desktop
+    assert "equation (9.9)" in desktop and "its number is drawn over it" in desktop, desktop
     assert "px past the edge: utils.attention" in desktop, desktop
     assert local_visit.page["layout"]["wideOutputs"], local_visit.page["layout"]  # the wall
     phone_text = "\n".join(phone)
