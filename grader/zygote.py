@@ -184,6 +184,9 @@ def main(fd: int) -> None:
     # Process 1 of a PID namespace of its own (the process the grader started waits for it), so
     # that each child can be process 1 of one of its own (`namespaces.PidNamespaces`).
     pid_namespaces = None
+    # A fork keeps only the forking thread: threads of this process, had its imports started
+    # any, would vanish from the forking process unseen, so they are counted here, before.
+    threads_before = thread_count()
     with contextlib.suppress(kernel.KernelError):  # then plain forks (the grader checked)
         namespaces.become_pid_namespace_init()
         kernel.set_parent_death_signal()  # its parent is now the waiting process
@@ -199,7 +202,8 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     keep = open_fds() - {fd} - ({pid_namespaces.own} if pid_namespaces else set())
-    _send(sock, {"op": "hello", "threads": thread_count(), "pid": int(os.readlink("/proc/self")),
+    _send(sock, {"op": "hello", "threads": max(thread_count(), threads_before),
+                 "pid": int(os.readlink("/proc/self")),
                  "pid_namespaces": pid_namespaces is not None})
     children: dict[int, int] = {}  # the grader's number of each child: the zygote's number
     spawned = 0
