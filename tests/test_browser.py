@@ -17,7 +17,8 @@ what was recorded:
 - every page links the book's repository and offers its source (.ipynb or .md) for download;
 - the search page finds "softmax"; the next and previous links follow the table of contents;
   the sidebar lists exactly the pages of _toc.yml; index.html leads to the intro;
-- the ☰ and "Contents" buttons work: tapped at 390 px, by keyboard at 900 px, clicked at 1280 px.
+- the ☰ and "Contents" buttons work: tapped at 390 px, by keyboard at 900 and 1100 px, clicked
+  at 1280 px.
 
 Every page is visited twice, in a 1280x800 window and as a 390x844 phone, and its layout is
 measured (``LAYOUT``). At 1280 px: no code cell and at most 5 % of the cell outputs scroll
@@ -270,8 +271,16 @@ const wideEquations = equations.filter(
 const loose = wideEquations
   .filter((m) => !(canScroll(m) && m.getBoundingClientRect().right <= vw + 1))
   .map((m) => `equation ${where(m)}: neither fits nor scrolls in its own box`);
-// A wide equation shows that it scrolls: a shadow (a gradient) at the edge with more beyond.
-const uncued = wideEquations.filter((m) => !/gradient/.test(getComputedStyle(m).backgroundImage))
+// A wide equation shows that it scrolls: shadows (gradients fixed to the box) at its edges,
+// and covers of the background's colour that scroll with the content and hide a shadow once
+// that end is reached.
+const cued = (m) => {
+  const cs = getComputedStyle(m);
+  const attach = cs.backgroundAttachment.split(",").map((a) => a.trim());
+  return (cs.backgroundImage.match(/gradient/g) || []).length >= 4
+    && attach.includes("local") && attach.includes("scroll");
+};
+const uncued = wideEquations.filter((m) => !cued(m))
   .map((m) => `equation ${where(m)}: scrolls with nothing to show it`);
 // An equation's number is never drawn over the visible part of its equation.
 const overNumbers = [...document.querySelectorAll("div.math > span.eqno")].flatMap((n) => {
@@ -877,16 +886,30 @@ def _open_page(driver, url: str) -> None:
     )
 
 
+def _tap(driver, element) -> None:
+    """A finger's tap on the middle of `element`: touch events, which the page (with touch
+    emulation on) turns into the click it gets from a phone."""
+    x, y = driver.execute_script(
+        "const r = arguments[0].getBoundingClientRect();"
+        "return [r.left + r.width / 2, r.top + r.height / 2];", element)
+    for kind, points in (("touchStart", [{"x": x, "y": y}]), ("touchEnd", [])):
+        driver.execute_cdp_cmd("Input.dispatchTouchEvent", {"type": kind, "touchPoints": points})
+
+
 def check_menus(driver, book_url: str) -> list[str]:
-    """Press the menus at 390 px (a phone, by tap), 900 px (by keyboard) and 1280 px (by
-    click); returns what went wrong."""
+    """Press the menus as a reader does: by tap at 390 px (a phone), with Enter at 900 px and
+    with Space at 1100 px (the keyboard), by click at 1280 px. Below 992 px ☰ opens the chapter
+    list in a drawer, where a chapter is reached; above, it folds the sidebar away and back.
+    Below 1200 px "Contents" opens the page's sections, and Escape closes them. Returns what
+    went wrong."""
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     problems = []
     page = urljoin(book_url, "book/03_multi_head_attention.html")
     target = _canonical(urljoin(book_url, "book/04_masking.html"))
-    for width, height, how in ((390, 844, "tap"), (900, 800, "keyboard"), (1280, 800, "click")):
+    for width, height, how in ((390, 844, "tap"), (900, 800, "Enter"), (1100, 800, "Space"),
+                               (1280, 800, "click")):
         driver.execute_cdp_cmd(
             "Emulation.setDeviceMetricsOverride",
             {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 500},
@@ -896,40 +919,47 @@ def check_menus(driver, book_url: str) -> list[str]:
         try:
             _open_page(driver, page)
 
-            def press(kind: str, how: str = how) -> None:
-                button = _visible_button(driver, kind)
-                if how == "keyboard":
-                    driver.execute_script("arguments[0].focus()", button)
-                    button.send_keys(Keys.ENTER)
+            def press(element, how: str = how) -> None:
+                if how == "tap":
+                    _tap(driver, element)
+                elif how == "click":
+                    element.click()
                 else:
-                    button.click()
+                    driver.execute_script("arguments[0].focus()", element)
+                    element.send_keys(Keys.ENTER if how == "Enter" else Keys.SPACE)
                 time.sleep(0.3)  # the drawer's opening transition
 
             state = driver.execute_script(DRAWERS)
             if width >= 992:  # the sidebar is on the page: ☰ folds it away and back
-                press("primary-toggle")
+                press(_visible_button(driver, "primary-toggle"))
                 folded = driver.execute_script(DRAWERS)["sidebarShown"]
-                press("primary-toggle")
+                press(_visible_button(driver, "primary-toggle"))
                 back = driver.execute_script(DRAWERS)["sidebarShown"]
                 shown = state["sidebarShown"]
                 if (shown, folded, back) != (True, False, True):
                     problems.append(f"{width} px: ☰ by {how}: sidebar shown {shown}, after a "
                                     f"press {folded}, after another {back}")
-                continue
-            press("primary-toggle")
-            state = driver.execute_script(DRAWERS)
-            if not state["primaryOpen"] or target not in map(_canonical, state["chapterLinks"]):
-                problems.append(f"{width} px: ☰ by {how} showed no chapter list ({state})")
-                continue
-            link = next(a for a in driver.find_elements(
-                "css selector", "#pst-primary-sidebar-modal a.reference.internal")
-                if a.is_displayed() and _canonical(a.get_attribute("href")) == target)
-            if how == "keyboard":
-                link.send_keys(Keys.ENTER)
             else:
-                link.click()
-            WebDriverWait(driver, 30).until(lambda d: _canonical(d.current_url) == target)
-            press("secondary-toggle")
+                press(_visible_button(driver, "primary-toggle"))
+                state = driver.execute_script(DRAWERS)
+                if not state["primaryOpen"] or target not in map(_canonical,
+                                                                 state["chapterLinks"]):
+                    problems.append(f"{width} px: ☰ by {how} showed no chapter list ({state})")
+                    continue
+                link = next(a for a in driver.find_elements(
+                    "css selector", "#pst-primary-sidebar-modal a.reference.internal")
+                    if a.is_displayed() and _canonical(a.get_attribute("href")) == target)
+                if how == "tap":
+                    _tap(driver, link)
+                elif how == "click":
+                    link.click()
+                else:
+                    link.send_keys(Keys.ENTER)
+                WebDriverWait(driver, 30).until(lambda d: _canonical(d.current_url) == target)
+            if width >= 1200:  # the page's sections are on the page, no button for them
+                continue
+            button = _visible_button(driver, "secondary-toggle")
+            press(button)
             state = driver.execute_script(DRAWERS)
             if not state["secondaryOpen"] or state["tocLinks"] < 3:
                 problems.append(f"{width} px: Contents by {how} showed no contents ({state})")
@@ -938,6 +968,9 @@ def check_menus(driver, book_url: str) -> list[str]:
             time.sleep(0.3)
             if driver.execute_script(DRAWERS)["secondaryOpen"]:
                 problems.append(f"{width} px: Escape left the contents open")
+            elif how in ("Enter", "Space") and driver.execute_script(
+                    "return document.activeElement === arguments[0]", button) is not True:
+                problems.append(f"{width} px: the focus did not come back to Contents")
         finally:
             driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
             driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
@@ -946,9 +979,9 @@ def check_menus(driver, book_url: str) -> list[str]:
 
 
 def test_menus_open_by_tap_click_and_keyboard(book_url, browser, visits):
-    """☰ opens the chapter list and "Contents" the page's sections, on a phone by tap and at
-    900 px by keyboard, and a chapter link in the list leads to its chapter; at 1280 px ☰ folds
-    the sidebar away and back."""
+    """☰ opens the chapter list (a chapter in it is reached) and "Contents" the page's sections,
+    on a phone by tap and at 900 px by keyboard; at 1100 and 1280 px ☰ folds the sidebar away
+    and back, and at 1100 px "Contents" opens by keyboard too (`check_menus`)."""
     assert not (problems := check_menus(browser, book_url)), "\n".join(problems)
 
 

@@ -28,6 +28,9 @@ document.addEventListener("DOMContentLoaded", () => {
         event.preventDefault();
         event.stopPropagation();
         bound.click();
+        // As the theme does for the button it binds: a pointer's click leaves no focus behind
+        // (its tooltip would stay up); a key press keeps it, for the keyboard's sake.
+        if (event.detail > 0) button.blur();
       });
     }
   }
