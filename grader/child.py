@@ -4,7 +4,8 @@
 checkers (`utils.checks.core`, `results`, `runners`), never a checker's reference. `serve` reads
 its instructions from the grader and, before the notebook's first line runs:
 
-1. moves the student's prints to a log file in its folder and keeps private copies of its pipes;
+1. sends the student's prints to /dev/null (nothing is displayed while grading) and keeps
+   private copies of its pipes;
 2. imports the modules whose forbidden parts it must poison, and poisons them (`poison`):
    torch's forbidden operators through the dispatcher, forbidden Python code in place;
 3. stands in for IPython (``get_ipython()``: the magics that run code run it once,
@@ -148,13 +149,13 @@ def _confine(start: dict[str, Any], out: int) -> Reporter:
     torch.set_num_threads(1)
     # One thread for good: a notebook's torch.set_num_threads(n) is ignored.
     torch.set_num_threads = _one_thread
-    kernel.set_limits(limits["memory_mb"], limits["cpu_s"], limits.get("file_mb", 16),
-                      limits.get("open_files", 64))
-    if secure:
+    if secure:  # the notebook is copied into the tmpfs before the limit on a file's size
         kernel.own_namespaces()
         kernel.scratch_on_tmpfs(os.getcwd(), limits["scratch_bytes"], limits["scratch_files"],
                                 (start["notebook"],))
-        _open_log()  # in the tmpfs, where the student's code may read it
+    kernel.set_limits(limits["memory_mb"], limits["cpu_s"], limits.get("file_mb", 16),
+                      limits.get("open_files", 64))
+    if secure:
         kernel.drop_privileges()
         kernel.landlock(start["readable"] + [kernel.own_proc()], [os.getcwd()],
                         start["listable"])
@@ -165,14 +166,6 @@ def _confine(start: dict[str, Any], out: int) -> Reporter:
     return reporter
 
 
-def _open_log() -> None:
-    """Send this process's output (and the student's) to ``output.log`` in its folder."""
-    log = os.open("output.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-
-
 def serve() -> None:
     """Run the protocol until the grader says "end" (or the student's code ends the process).
 
@@ -180,16 +173,21 @@ def serve() -> None:
     place.
     """
     inp, out = os.dup(0), os.dup(1)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
+    # What the cells print goes nowhere, as nothing is displayed while grading: not into a file,
+    # whose size limit would fail a print (and the cell) past 16 MB of output.
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     os.close(null)
-    _open_log()
     start = read_trusted(inp)
     try:
         _confine(start, out)
     except Exception as exc:  # noqa: BLE001 (a kernel step failed: nothing of the student's runs)
         write_frame(out, {"op": "fatal", "error": _error_text(exc)})
         os._exit(71)
+    # The grader takes a "fatal" message (its own fault) only before this one: after it, the
+    # student's code runs, and could write one.
+    write_frame(out, {"op": "confined"})
     oracle = _remote_oracle(inp, out)
     runners.set_oracle(oracle)
     sys.modules["__main__"] = types.ModuleType("__main__")

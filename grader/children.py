@@ -215,6 +215,7 @@ class Child:
         start = {**start, "notebook": name}  # copied into the child's own scratch folder
         (self.dir / name).write_bytes(notebook)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.confined = False  # set on the child's "confined" message (`sessions`)
         self.zygote = shared_zygote()
         spawned = None
         if self.zygote is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,9 @@ class Grading(_Marks, Sessions):
         self.seen_rules: list[str] = []  # forbidden imports or calls seen outside every case
         self.cpu_used = 0.0
         self.stalled = False  # a child waited past its wall-clock backstop
+        # The whole notebook's wall-clock backstop, that of its total CPU time (set again when
+        # the grading starts).
+        self.notebook_wall_by = time.monotonic() + self.limits.wall(self.limits.total_s)
         self.data = b""
         self.sources: list[str] = []
 
@@ -275,6 +279,7 @@ class Grading(_Marks, Sessions):
             self._seen(rule, f"the notebook's code imports {what}, which this assignment "
                              f"forbids ({rule.reason}); it {fails} while grading, so a case "
                              "whose code needs it loses its points; the rest is graded")
+        self.notebook_wall_by = time.monotonic() + self.limits.wall(self.limits.total_s)
         shared = [i for i, (c, _, s) in enumerate(self.items) if c.isolated(s) is None]
         isolated = [i for i in range(len(self.items)) if i not in shared]
         position = 0
@@ -291,7 +296,8 @@ class Grading(_Marks, Sessions):
                                      "this case", "timeout"))
 
     def _out_of_time(self) -> bool:
-        return self.cpu_used >= self.limits.total_s or self.stalled
+        return (self.cpu_used >= self.limits.total_s or self.stalled
+                or time.monotonic() >= self.notebook_wall_by)
 
     def _rules_for(self, positions: list[int]) -> list[Rule]:
         names = {self.items[i][0].name for i in positions}

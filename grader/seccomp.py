@@ -4,14 +4,15 @@
 process (fork, vfork, clone without ``CLONE_THREAD``; ``clone3`` answers ENOSYS so that the C
 library falls back to ``clone`` for threads), no exec, no socket, no ptrace or reading another
 process's memory, no signal to another process, no raising of a resource limit, no mounts,
-namespaces, io_uring, BPF, kernel keys or modules, no System V IPC, no change to a file's
-mode, owner, times or extended attributes, no inotify, and no leaving of its session
-(`DENIED`). Scheduling and priority (CPU affinity, policy, nice, I/O priority) may be set for
-the calling process only (`OWN_SCHEDULING`, ``setpriority`` and ``ioprio_set`` with
+namespaces, io_uring, BPF, kernel keys or modules, no System V IPC, no change to a file's mode,
+owner, times or extended attributes, no inotify, and no leaving of its session (`DENIED`); no
+descriptor's signal owner, lease or change notice (``fcntl``) and no inode flag (``ioctl``), by
+their arguments. Scheduling and priority (CPU affinity, policy, nice, I/O priority) may be set
+for the calling process only (`OWN_SCHEDULING`, ``setpriority`` and ``ioprio_set`` with
 ``PRIO_PROCESS`` and 0 or its own pid): pid and ``which`` are C ints, so the low 32 bits of an
-argument, which classic BPF compares, are all the kernel reads of it. A thread named by its
-own tid (other than the main thread's) is refused too, since no tid is known when the filter
-is written; pid 0 (the calling thread) is what torch's start-up and OpenMP without
+argument, which classic BPF compares, are all the kernel reads of it. A thread named by its own
+tid (other than the main thread's) is refused too, since no tid is known when the filter is
+written; pid 0 (the calling thread) is what torch's start-up and OpenMP without
 ``OMP_PROC_BIND`` use.
 x86-64 only; `seccomp_available` says whether this kernel filters system calls.
 """
@@ -81,8 +82,21 @@ _X32_BIT = 0x40000000
 # F_SETOWN names any process the caller's uid may signal, F_SETSIG picks the signal (SIGKILL
 # too). The kill calls are checked above; this path is closed here, whatever Landlock's ABI
 # (its signal scope arrived with ABI 6, Linux 6.12).
-_SIGNAL_OWNER_FCNTL = (8, 10, 15)  # F_SETOWN, F_SETSIG, F_SETOWN_EX
-_SIGNAL_OWNER_IOCTL = (0x8901, 0x8902)  # FIOSETOWN, SIOCSPGRP
+# A lease (F_SETLEASE) on a file the child may read, which a child of a grader run as root
+# owns, blocks every other process's open of it for up to the lease-break time (45 s), the
+# child's own /proc files included (which `ps` and the grader read); a directory's change
+# notices (F_NOTIFY) name files the child could not list. The inode-flag ioctls set flags
+# (immutable, append-only, sync, noatime) and project ids on files the child owns, as Landlock
+# does not see; verity would seal a file for good.
+_SIGNAL_OWNER_FCNTL = (8, 10, 15, 1024, 1026)  # F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE,
+# F_NOTIFY
+_SIGNAL_OWNER_IOCTL = (
+    0x8901, 0x8902,  # FIOSETOWN, SIOCSPGRP
+    0x40086602, 0x40046602,  # FS_IOC_SETFLAGS, FS_IOC32_SETFLAGS
+    0x40087602, 0x40047602,  # FS_IOC_SETVERSION, FS_IOC32_SETVERSION
+    0x401C5820,  # FS_IOC_FSSETXATTR
+    0x40806685,  # FS_IOC_ENABLE_VERITY
+)
 _CLONE_THREAD = 0x00010000
 _CLONE_NAMESPACES = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 
@@ -181,12 +195,12 @@ def _filter(pid: int) -> bytes:
     p.load(arg + 8)
     p.jump("eq", 0, "allow", 0)
     p.jump("eq", pid, "allow", "deny")
-    p.label("fcntl")  # no owner for a descriptor's signals, no signal chosen for them
+    p.label("fcntl")  # no owner for a descriptor's signals, no signal chosen, no lease, no notice
     p.load(arg + 8)
     for cmd in _SIGNAL_OWNER_FCNTL:
         p.jump("eq", cmd, "deny", 0)
     p.ret(_SECCOMP_RET_ALLOW)
-    p.label("ioctl")  # the same through ioctl
+    p.label("ioctl")  # the same through ioctl, and no inode flags
     p.load(arg + 8)
     for request in _SIGNAL_OWNER_IOCTL:
         p.jump("eq", request, "deny", 0)

@@ -38,7 +38,8 @@ class Conversation:
         calls on the way; raises `Stop` when the child runs out of CPU time, waits too long,
         writes too much, dies, or sends something malformed."""
         start_cpu = child.cpu() or 0.0
-        wall_by = time.monotonic() + self.limits.wall(cpu_limit)
+        # Never past the notebook's own backstop: waits just short of theirs would add up to hours.
+        wall_by = min(time.monotonic() + self.limits.wall(cpu_limit), self.notebook_wall_by)
         calls = 0
         oracle_s = 0.0  # the grader's own CPU time on the child's calls, charged to the case
         while True:
@@ -51,8 +52,11 @@ class Conversation:
                                 "endless loop, or far too much work?", "timeout") from None
                 if time.monotonic() >= wall_by:
                     self.stalled = True  # a process that waits instead of computing: no more
-                    raise Stop(f"{what} did not finish within {self.limits.wall(cpu_limit):g} s "
-                                "(waiting or sleeping, not computing)", "timeout") from None
+                    whole = self.limits.wall(self.limits.total_s)
+                    late = (f"{what} did not finish within {self.limits.wall(cpu_limit):g} s"
+                            if wall_by < self.notebook_wall_by else "the notebook as a whole "
+                            f"ran past its wall-clock limit of {whole:g} s")
+                    raise Stop(f"{late} (waiting or sleeping, not computing)", "timeout") from None
                 if (kernel.thread_count(child.pid) or 0) > MAX_THREADS:
                     raise Stop(f"{what} started more than {MAX_THREADS} threads, past the "
                                 "grader's limit", "limits") from None
@@ -79,7 +83,9 @@ class Conversation:
             try:
                 if op == "flag":
                     self._on_flag(msg, during_cells=position is None)
-                elif op == "fatal":
+                elif op == "confined" and not child.confined:
+                    child.confined = True  # from here on, the student's code runs
+                elif op == "fatal" and not child.confined:
                     raise Stop("the grader could not confine the process that runs your code "
                                 f"({str(msg.get('error'))[:200]}); tell your instructor",
                                 "sandbox")

@@ -281,10 +281,39 @@ def _placed(student: str, assignment: str, group: list[_Candidate]) -> Placed:
     return place
 
 
+# What one student's folder may cost the grader before any grading: each notebook is parsed in
+# a bounded process, but a folder of hundreds of large notebooks would still hold up the class.
+# The newest are read, up to a count and a total size; the rest are reported.
+EXTRA_NOTEBOOKS = 4  # beyond one per assignment
+MAX_STUDENT_BYTES = 64 * 2**20
+
+
+def _within_budget(student: str, found: list[tuple[Path, str, int]], names: Sequence[str],
+                   unplaced: list[Unplaced]) -> list[tuple[Path, str, int]]:
+    """The newest of a student's notebooks, up to `EXTRA_NOTEBOOKS` more than the assignments
+    and `MAX_STUDENT_BYTES` in all; the others go to ``unplaced``."""
+    kept, total = [], 0
+    for path, relative, depth in sorted(found, key=lambda f: -_mtime_ns(f[0])):
+        try:
+            size = path.lstat().st_size
+        except OSError:
+            size = 0
+        if len(kept) >= len(names) + EXTRA_NOTEBOOKS or total + size > MAX_STUDENT_BYTES:
+            unplaced.append(Unplaced(student, path, f"not read: this student handed in more "
+                                     f"than {len(names) + EXTRA_NOTEBOOKS} notebooks or "
+                                     f"{MAX_STUDENT_BYTES // 2**20} MB of them, and only the "
+                                     "newest within both are read", relative))
+            continue
+        kept.append((path, relative, depth))
+        total += size
+    return kept
+
+
 def _place_student(student: str, folder: Path, names: Sequence[str],
                    unplaced: list[Unplaced]) -> list[Placed]:
     groups: dict[str, list[_Candidate]] = {}
-    for path, relative, depth in _student_notebooks(student, folder, unplaced):
+    found = list(_student_notebooks(student, folder, unplaced))
+    for path, relative, depth in _within_budget(student, found, names, unplaced):
         if depth > 1:
             unplaced.append(Unplaced(student, path, "too deep in folders: the grader reads "
                                      "<student>/*.ipynb and <student>/<folder>/*.ipynb", relative))
@@ -317,7 +346,9 @@ def find_submissions(folder: Path | str,
     (`read_notebook`) and placed by `assignment_of`; one that cannot be read is still placed,
     with ``unreadable`` set, when its file or folder name says which assignment it is, and is
     reported otherwise. A student who handed in several notebooks for one assignment gets one
-    `Placed`: the newest readable one, the others named in its notes.
+    `Placed`: the newest readable one, the others named in its notes. A student's notebooks are
+    read newest first, within `EXTRA_NOTEBOOKS` more than ``names`` and `MAX_STUDENT_BYTES`;
+    the rest are reported, not read.
     """
     folder = Path(folder)
     names = tuple(names)

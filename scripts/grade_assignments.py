@@ -532,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{Limits.memory_mb})")
     parser.add_argument("--no-fork", action="store_true",
                         help="start every notebook's process afresh instead of forking it from a "
-                             "process that has imported torch once (slower; the same isolation)")
+                             "process that has imported torch once (slower; the same isolation but "
+                             "for a PID namespace of each child's own)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--insecure", action="store_true",
                         help="grade even where the kernel lacks Landlock or seccomp, without "

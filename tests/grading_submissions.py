@@ -149,8 +149,8 @@ torch.set_grad_enabled(False)
 torch.use_deterministic_algorithms(False)
 """
 # Right code only when the process it runs in is as clean as a fresh one: its own session, its own
-# folder (holding the notebook, the log of its prints and whatever torch caches there) as HOME and
-# TMPDIR, one thread, and nothing open but /dev/null, its log, the files under the Python
+# folder (holding the notebook and whatever torch caches there) as HOME and TMPDIR, one
+# thread, and nothing open but /dev/null (where its prints go), the files under the Python
 # installation and its own two pipes to the grader: no socket and no file of another folder
 # inherited from the process that forked it.
 A1_PROBE = '''
@@ -168,11 +168,10 @@ _here = os.path.realpath(os.getcwd())
 CLEAN = (os.getsid(0) == os.getpid()
          and os.path.realpath(os.environ["HOME"]) == _here
          and os.path.realpath(os.environ["TMPDIR"]) == _here
-         and {"a1_attention.ipynb", "output.log"} <= set(os.listdir("."))
+         and "a1_attention.ipynb" in os.listdir(".")
          and [f for f in os.listdir(".") if f.endswith(".ipynb")] == ["a1_attention.ipynb"]
          and len(os.listdir("/proc/self/task")) == 1
-         and all(link in ("/dev/null", os.path.join(_here, "output.log"))
-                 or link.startswith((sys.prefix, sys.base_prefix, "pipe:"))
+         and all(link == "/dev/null" or link.startswith((sys.prefix, sys.base_prefix, "pipe:"))
                  for link in _links())
          and sum(link.startswith("pipe:") for link in _links()) == 2
          and not any(m.startswith(("utils.attention", "utils.transformer", "utils.models"))

@@ -83,8 +83,42 @@ class Attack:
     replace: dict[int, tuple[str, str]] = field(default_factory=dict)  # in the book's cell
 
 
+# Leases, change notices and inode flags on files the child may read (its own /proc entry
+# too): each refused by the filter; ACTED lists what was not.
+LEASES = '''
+import fcntl, os, struct
+
+ACTED = []
+for name, path in (("a file it may read", os.__file__), ("its own /proc entry", "/proc/self/stat")):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, 1024, fcntl.F_RDLCK)  # F_SETLEASE: other processes' opens would block
+        ACTED.append("lease on " + name)
+    except OSError:
+        pass
+    try:  # FS_IOC_SETFLAGS with the flags it has: the owner check is what is refused
+        flags = bytearray(4)
+        fcntl.ioctl(fd, 0x80086601, flags)  # FS_IOC_GETFLAGS
+        fcntl.ioctl(fd, 0x40086602, bytes(flags))
+        ACTED.append("inode flags of " + name)
+    except OSError:
+        pass
+    os.close(fd)
+folder = os.open(os.path.dirname(os.__file__), os.O_RDONLY | os.O_DIRECTORY)
+try:
+    fcntl.fcntl(folder, 1026, 0x80000002)  # F_NOTIFY (DN_MODIFY | DN_MULTISHOT)
+    ACTED.append("change notices")
+except OSError:
+    pass
+os.close(folder)
+'''
+
+
 ATTACKS: dict[str, Attack] = {
     # ---- E: escapes ----------------------------------------------------------------------
+    "e_file_lease": Attack("E", "a1_attention",
+                           {3: _a1_with(LEASES, "    if ACTED:\n        return q, k\n")}, "full",
+                           ""),
     "e_fork": Attack("E", "a1_attention", {3: _a1_with('''
 import os, time
 try:

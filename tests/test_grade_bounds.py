@@ -45,7 +45,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from hostile_submissions import _a1_with
+from hostile_submissions import LEASES, _a1_with
 from notebooks import ROOT
 
 from grader import cgroups, kernel, namespaces
@@ -624,3 +624,76 @@ def test_a_delegated_version_2_group_is_handed_down_only_when_the_grader_is_alon
         assert [p.name for p in selves] == [dirs["pids"].name + "-self"]
         assert (selves[0] / "cgroup.procs").read_text() == "0"
         assert (scope / "cgroup.subtree_control").read_text() == "+pids +memory"
+
+
+# --------------------------------------------------------------------------------------------
+# Found by a white-box attack: leases, inode flags, big notebooks and outputs, a forged
+# message, a notebook that sleeps through its waits, a student folder of many notebooks
+
+
+
+def test_no_lease_change_notice_or_inode_flag_on_a_file_the_child_may_read(tmp_path):
+    result, _, _ = _grade(_notebook(_a1_with(LEASES, "    if ACTED:\n        return q, k\n"),
+                                    tmp_path / "a1_attention.ipynb"))
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+def test_a_notebook_of_17_mb_and_20_mb_of_prints_are_graded_as_any_other(tmp_path):
+    """The notebook is copied into the child's tmpfs before the limit on a file's size, and
+    prints go to /dev/null, where that limit does not apply: neither fails honest work."""
+    path = _notebook(_a1_with("for _ in range(20_000):\n    print('x' * 1000)\n"),
+                     tmp_path / "a1_attention.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[3].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                  text="y" * (17 * 2**20))]
+    nbformat.write(nb, path)
+    assert path.stat().st_size > 17 * 2**20
+    result, _, _ = _grade(path)
+    assert (result.points, result.flags, result.cell_errors) == (10.0, [], [])
+
+
+_FORGED_FATAL = '''
+import sys
+sys.modules["grader.protocol"].write_frame(4, {"op": "fatal", "error": "the grader's fault"})
+'''
+
+
+def test_a_fatal_message_from_the_students_code_is_not_the_graders_fault(tmp_path):
+    result, _, _ = _grade(_notebook(_a1_with(_FORGED_FATAL), tmp_path / "a1_attention.ipynb"))
+    assert "sandbox" not in result.flags and "protocol" in result.flags, result.flags
+
+
+def test_waits_that_each_stop_short_of_their_backstop_end_with_the_notebooks(tmp_path):
+    """Every case sleeps 3 s, under its own backstop (5 s of CPU time: 6 s of waiting), but the
+    notebook's own (4 s of CPU time in all: 5 s) ends the grading in the second case (the
+    first, on a busy machine, may be stopped too): not five cases of 3 s each."""
+    limits = Limits(case_s=CASE_S * 5, cells_s=5, total_s=4, wall_factor=1.0, wall_extra_s=1.0)
+    notebook = _notebook(_a1_with("import time", "    time.sleep(3)\n"),
+                         tmp_path / "a1_attention.ipynb")
+    result, _, elapsed = _grade(notebook, limits)
+    assert result.flags == ["timeout"] and result.points <= 2.0, (result.flags, result.points)
+    assert any("the notebook as a whole ran past its wall-clock limit" in c.hints[0]
+               for c in result.checks if c.hints), [c.hints for c in result.checks]
+    assert elapsed < 20, elapsed
+
+
+def test_a_student_folder_of_many_notebooks_costs_a_bounded_number_of_reads(tmp_path):
+    from grader import submissions
+
+    names = [f"a{i}_x" for i in range(1, 9)]
+    folder = tmp_path / "class" / "mallory"
+    folder.mkdir(parents=True)
+    for i in range(20):
+        nb = nbformat.v4.new_notebook()
+        nbformat.write(nb, folder / f"a1_x ({i}).ipynb")
+        os.utime(folder / f"a1_x ({i}).ipynb", (1_000_000 + i, 1_000_000 + i))
+    read = []
+    real = submissions.read_notebook
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(submissions, "read_notebook", lambda p: read.append(p.name) or real(p))
+        placed, unplaced = submissions.find_submissions(tmp_path / "class", names)
+    cap = len(names) + submissions.EXTRA_NOTEBOOKS
+    assert len(read) == cap and len(unplaced) == 20 - cap
+    assert sorted(read) == sorted(f"a1_x ({i}).ipynb" for i in range(20 - cap, 20))  # newest
+    assert all("only the newest" in u.reason for u in unplaced)
+    assert [p.path.name for p in placed] == ["a1_x (19).ipynb"]
