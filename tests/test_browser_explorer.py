@@ -86,9 +86,13 @@ def _fmt(values: list[float], decimals: int) -> list[str]:
     return [f"{v:.{decimals}f}" for v in values]
 
 
-def _best(weights: list[float]) -> int:
-    """The key the explorer names as the largest weight: the first of the largest."""
-    return max(range(len(weights)), key=lambda j: (weights[j], -j))
+def _most(keys: list[str], weights: list[float], decimals: int) -> str:
+    """What the explorer announces of the largest weight: every key whose shown weight ties
+    with it ("dog and cat"), then the weight ("0.500")."""
+    top = f"{max(weights):.{decimals}f}"
+    tied = [k for k, v in zip(keys, weights, strict=True) if f"{v:.{decimals}f}" == top]
+    names = tied[0] if len(tied) == 1 else ", ".join(tied[:-1]) + " and " + tied[-1]
+    return f"{names}, {top}"
 
 
 class Keyboard:
@@ -186,8 +190,7 @@ def check_explorer_by_keyboard(driver, url: str, ex: dict, where: str) -> None:
             row = got
         assert all(t.startswith(f"weight {v} from query {q[i]} ") for t, v in
                    zip(shown["titles"], shown["weights"], strict=True)), where
-        j = _best(row)
-        announced = f"{q[i]} attends most to {k[j]}, {row[j]:.{d}f}"
+        announced = f"{q[i]} attends most to {_most(k, row, d)}"
         assert acc["live"]["text"].endswith(announced), (
             f"{where}, {key}: announced {acc['live']['text']!r}, expected {announced!r}")
 
@@ -258,3 +261,34 @@ def check_page(driver, url: str, page: str, count: int | None = None) -> None:
     assert explorers, f"{page}: no explorer"
     for ex in explorers:
         check_explorer_by_keyboard(driver, url, ex, f"{page} #{ex['id']}")
+
+
+def test_a_tie_for_the_largest_weight_names_every_tied_key(browser, tmp_path):  # noqa: F811
+    """Two keys tied for the largest weight (0.400 each, and one of them only after rounding):
+    the readout and the announcement name both, in order, not the first alone."""
+    import torch
+    from selenium.webdriver.common.by import By
+    from test_browser import serve
+
+    from utils.explorer import attention_explorer
+
+    weights = torch.tensor([[[0.1, 0.4, 0.1, 0.4], [0.2, 0.4, 0.1, 0.39996]]])
+    explorer = attention_explorer(weights, ["q1", "q2"], ["a", "b", "c", "d"],
+                                  element_id="tie")
+    (tmp_path / "tie.html").write_text(f"<!doctype html><html><body>{explorer.html}</body></html>",
+                                       encoding="utf-8")
+    read = ("const r = document.getElementById('tie');"
+            "return [r.querySelector('.tta-readout').textContent,"
+            " r.querySelector('.tta-live').textContent];")
+    with serve(tmp_path) as url:
+        browser.get(url + "tie.html")
+        said = []
+        for button in browser.find_element(By.ID, "tie").find_elements(
+                By.CSS_SELECTOR, "button.tta-q"):
+            button.click()
+            said.append(browser.execute_script(read))
+        browser.get("about:blank")
+    for (readout, live), query in zip(said, ("q1", "q2"), strict=True):
+        assert readout.endswith(f"query {query} puts its largest weight, 0.400, on keys b and d.")
+        assert live.endswith(f"{query} attends most to b and d, 0.400"), live
+    assert _most(["a", "b", "c"], [0.2, 0.5, 0.3], 3) == "b, 0.500"

@@ -184,10 +184,14 @@ _JS = r"""
     });
     var head = state.head < nH ? data.heads[state.head] : "mean of the heads";
     var where = (nL > 1 ? data.layers[state.layer] + ", " : "") + head;
-    var most = data.q[state.query] + " attends most to " + data.k[best] + ", "
-      + w[best].toFixed(d);
+    // Every key whose shown weight ties with the largest is named, not only the first.
+    var top = w[best].toFixed(d);
+    var tied = data.k.filter(function (t, j) { return w[j].toFixed(d) === top; });
+    var names = tied.length === 1 ? tied[0]
+      : tied.slice(0, -1).join(", ") + " and " + tied[tied.length - 1];
+    var most = data.q[state.query] + " attends most to " + names + ", " + top;
     readout.textContent = where + ": query " + data.q[state.query] + " puts its largest weight, "
-      + w[best].toFixed(d) + ", on key " + data.k[best] + ".";
+      + top + ", on key" + (tied.length > 1 ? "s " : " ") + names + ".";
     // A new query is announced alone; a new layer or head says which one it is.
     if (announce) { live.textContent = (announce === "select" ? where + ": " : "") + most; }
   }
