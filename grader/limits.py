@@ -8,6 +8,7 @@ the whole environment of a child (or of the zygote): nothing of the grader's own
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ POLL_S = 0.1
 MAX_CALLS = 5000  # oracle calls answered in one run of a case
 MAX_THREADS = 64  # threads of one child: more is a bomb aimed at the machine's process table
 SEND_S = 5.0  # how long the grader waits for a child to take a message
+INTERRUPTED = threading.Event()
+"""Set when the grading is interrupted (Ctrl-C, SIGTERM): every notebook stops at its next
+check, and no child is started."""
 
 
 @dataclass

@@ -167,8 +167,9 @@ class PidNamespaces:
         os.close(writer)
         with os.fdopen(reader, "rb") as f:
             said = f.read(32)
-        if not said.isdigit():  # the child died before saying it (no memory left, say)
-            return pid, pid
+        if not said.isdigit():  # it died before saying it (no memory left, say): never guess
+            os.waitpid(pid, 0)  # a number, which outside this namespace is another process's
+            raise OSError(errno.ESRCH, "the child ended before it started")
         return pid, int(said)
 
 

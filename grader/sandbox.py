@@ -42,7 +42,7 @@ from utils.checks.core import Spec
 from utils.checks.guard import Assignment, Rule
 from utils.checks.results import CheckResult
 
-from .limits import SCRATCH_BYTES, SCRATCH_FILES, Limits
+from .limits import INTERRUPTED, SCRATCH_BYTES, SCRATCH_FILES, Limits
 from .messages import clean_flag
 from .notebook_reading import UnreadableNotebook, code_cells, parse_notebook, read_notebook_bytes
 from .policy import child_policy
@@ -289,6 +289,8 @@ class Grading(_Marks, Sessions):
             if self._out_of_time():
                 break
             self._isolated(i)
+        if INTERRUPTED.is_set():
+            return self._finish(default=("not run: the grading was interrupted", "interrupted"))
         if self.stalled:
             return self._finish(default=("not run: an earlier case of this notebook waited past "
                                          "its wall-clock limit without computing", "timeout"))
@@ -297,7 +299,7 @@ class Grading(_Marks, Sessions):
 
     def _out_of_time(self) -> bool:
         return (self.cpu_used >= self.limits.total_s or self.stalled
-                or time.monotonic() >= self.notebook_wall_by)
+                or time.monotonic() >= self.notebook_wall_by or INTERRUPTED.is_set())
 
     def _rules_for(self, positions: list[int]) -> list[Rule]:
         names = {self.items[i][0].name for i in positions}

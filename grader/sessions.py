@@ -22,11 +22,27 @@ from utils.checks.core import Run, Spec
 
 from . import cgroups, kernel
 from .children import Child, Stop
-from .limits import MAX_CALLS, MAX_THREADS, POLL_S, SCRATCH_BYTES, SCRATCH_FILES
+from .limits import (
+    INTERRUPTED,
+    MAX_CALLS,
+    MAX_THREADS,
+    POLL_S,
+    SCRATCH_BYTES,
+    SCRATCH_FILES,
+    Limits,
+)
 from .messages import _clean_arg, _fields, _int, _str, clean_ready, clean_result
 from .protocol import ProtocolError
 
 _ORACLE_TYPES = ("ValueError", "TypeError", "IndexError", "RuntimeError", "OverflowError")
+
+
+def _overtime(limits: Limits, what: str, cpu_limit: float, whole: bool) -> str:
+    """What ran past which wall-clock backstop: the case's, or the whole notebook's."""
+    if whole:
+        return (f"the notebook as a whole ran past its wall-clock limit of "
+                f"{limits.wall(limits.total_s):g} s")
+    return f"{what} did not finish within {limits.wall(cpu_limit):g} s"
 
 
 class Conversation:
@@ -35,10 +51,10 @@ class Conversation:
     def _wait(self, child: Child, cpu_limit: float, what: str, position: int | None,
               oracle: Any = None) -> dict[str, Any]:
         """The next ``ready`` or ``result`` message of ``child``, handling flags and oracle
-        calls on the way; raises `Stop` when the child runs out of CPU time, waits too long,
-        writes too much, dies, or sends something malformed."""
+        calls on the way; raises `Stop` when the child runs out of CPU time, waits too long
+        (never past the notebook's own backstop: waits just short of theirs would add up to
+        hours), writes too much, dies, or sends something malformed."""
         start_cpu = child.cpu() or 0.0
-        # Never past the notebook's own backstop: waits just short of theirs would add up to hours.
         wall_by = min(time.monotonic() + self.limits.wall(cpu_limit), self.notebook_wall_by)
         calls = 0
         oracle_s = 0.0  # the grader's own CPU time on the child's calls, charged to the case
@@ -46,16 +62,15 @@ class Conversation:
             try:
                 msg = child.reader.read(min(wall_by, time.monotonic() + POLL_S))
             except TimeoutError:
+                if INTERRUPTED.is_set():
+                    raise Stop("not finished: the grading was interrupted", "interrupted") from None
                 used = (child.cpu() or start_cpu) - start_cpu + oracle_s
                 if used > cpu_limit:
                     raise Stop(f"{what} did not finish within {cpu_limit:g} s of CPU time: an "
                                 "endless loop, or far too much work?", "timeout") from None
                 if time.monotonic() >= wall_by:
                     self.stalled = True  # a process that waits instead of computing: no more
-                    whole = self.limits.wall(self.limits.total_s)
-                    late = (f"{what} did not finish within {self.limits.wall(cpu_limit):g} s"
-                            if wall_by < self.notebook_wall_by else "the notebook as a whole "
-                            f"ran past its wall-clock limit of {whole:g} s")
+                    late = _overtime(self.limits, what, cpu_limit, wall_by >= self.notebook_wall_by)
                     raise Stop(f"{late} (waiting or sleeping, not computing)", "timeout") from None
                 if (kernel.thread_count(child.pid) or 0) > MAX_THREADS:
                     raise Stop(f"{what} started more than {MAX_THREADS} threads, past the "
@@ -155,6 +170,8 @@ class Sessions(Conversation):
     """Running the cases in children (a mixin of `Grading`, whose state it uses)."""
 
     def _spawn(self, positions: list[int]) -> Child:
+        if INTERRUPTED.is_set():
+            raise Stop("not run: the grading was interrupted", "interrupted")
         targets = sorted({self.items[i][0].target for i in positions})
         start = self._start_message(self._rules_for(positions), targets)
         try:

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 import torch  # noqa: E402
 
 from grader import kernel, sandbox, sanitize, submissions, zygote_client  # noqa: E402
-from grader.limits import Limits  # noqa: E402
+from grader.limits import INTERRUPTED, Limits  # noqa: E402
 from grader.notebook_reading import (  # noqa: E402
     MAX_NOTEBOOK_BYTES,
     UnreadableNotebook,
@@ -497,15 +498,26 @@ def grade_all(placed: list[Placed], limits: Limits, jobs: int, quiet: bool,
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(grade_notebook, placed[i].path, ASSIGNMENTS[placed[i].assignment],
                                limits): i for i in todo}
-        for n, fut in enumerate(as_completed(futures), start=1):
-            i = futures[fut]
-            try:
-                results[i] = with_placement(fut.result(), placed[i])
-            except Exception as exc:  # noqa: BLE001 (one notebook must never stop the class)
-                results[i] = grader_error_result(placed[i].assignment, exc, "grading")
-            if not quiet:
-                _progress(n, len(todo), start)
+        try:
+            for n, fut in enumerate(as_completed(futures), start=1):
+                i = futures[fut]
+                try:
+                    results[i] = with_placement(fut.result(), placed[i])
+                except Exception as exc:  # noqa: BLE001 (one notebook must never stop the class)
+                    results[i] = grader_error_result(placed[i].assignment, exc, "grading")
+                if not quiet:
+                    _progress(n, len(todo), start)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every grading stops now, not when done
+            INTERRUPTED.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            zygote_client.stop_zygote()  # its children die: the waits on them end at once
+            raise
     return [results[i] for i in range(len(placed))]
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM ends the run as Ctrl-C does: children killed, folders removed, grades written."""
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             print(unplaced_line(item), file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _terminated)
     if args.no_fork:
         zygote_client.use_fork = False
     limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)

@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -404,3 +405,38 @@ def test_without_landlock_or_seccomp_the_grader_refuses_unless_insecure(tmp_path
         rows = list(csv.DictReader(f))
     assert rows[0]["score"] == "10" and rows[0]["flags"] == "insecure"
     assert "INSECURE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_stops_at_once_and_leaves_nothing(tmp_path, sig):
+    """A notebook that sleeps a minute in its cells, and the run interrupted once its child
+    runs: it ends within 15 s, still writes grades.csv (every row a grader error: an
+    interrupted run is no grading), and leaves no process and no folder of its own."""
+    submitted, out, scratch = tmp_path / "submitted", tmp_path / "out", tmp_path / "tmp"
+    (submitted / "ann").mkdir(parents=True)
+    scratch.mkdir()
+    nb = _notebook("a1_attention", {3: _a1_with("import time\ntime.sleep(60)")}, {})
+    nbformat.write(nb, submitted / "ann" / "a1_attention.ipynb")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(submitted), "--out", str(out), "--quiet"],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not [p for p in _processes_in(scratch) if "/grade-scratch-" in p]:
+        assert proc.poll() is None and time.monotonic() < deadline, "no child started"
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the grader did not stop within 60 s of the signal")
+    assert time.monotonic() - sent < 15, time.monotonic() - sent
+    assert proc.returncode != 0
+    with open(out / "grades.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["assignment"]]
+    assert len(rows) == 1 and "grader error" in rows[0]["flags"], rows
+    assert "KeyboardInterrupt" in rows[0]["flags"] and rows[0]["score"] == "0", rows
+    assert _processes_in(scratch) == [] and list(scratch.iterdir()) == [], err[-2000:]
