@@ -516,7 +516,7 @@ def grade_all(placed: list[Placed], limits: Limits, jobs: int, quiet: bool,
 
 
 def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM ends the run as Ctrl-C does: children killed, folders removed, grades written."""
+    """SIGTERM and SIGINT end the run: children killed, folders removed, grades written."""
     raise KeyboardInterrupt
 
 
@@ -573,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
             print(unplaced_line(item), file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    # Ctrl-C too, even where the grader was started with SIGINT ignored (a background job, a
+    # test runner's worker), in which case Python installs no handler of its own.
     signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, _terminated)
     if args.no_fork:
         zygote_client.use_fork = False
     limits = Limits(args.case_timeout, args.cells_timeout, args.timeout, args.memory_mb)
