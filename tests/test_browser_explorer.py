@@ -88,9 +88,13 @@ def _fmt(values: list[float], decimals: int) -> list[str]:
 
 def _most(keys: list[str], weights: list[float], decimals: int) -> str:
     """What the explorer announces of the largest weight: every key whose shown weight ties
-    with it ("dog and cat"), then the weight ("0.500")."""
+    with it ("dog and cat", or "4 at position 1 and 4 at position 3" where tied keys are the
+    same token), then the weight ("0.500")."""
     top = f"{max(weights):.{decimals}f}"
-    tied = [k for k, v in zip(keys, weights, strict=True) if f"{v:.{decimals}f}" == top]
+    at = [j for j, v in enumerate(weights) if f"{v:.{decimals}f}" == top]
+    tied = [keys[j] for j in at]
+    if len(set(tied)) < len(tied):
+        tied = [f"{keys[j]} at position {j}" for j in at]
     names = tied[0] if len(tied) == 1 else ", ".join(tied[:-1]) + " and " + tied[-1]
     return f"{names}, {top}"
 
@@ -292,3 +296,27 @@ def test_a_tie_for_the_largest_weight_names_every_tied_key(browser, tmp_path):  
         assert readout.endswith(f"query {query} puts its largest weight, 0.400, on keys b and d.")
         assert live.endswith(f"{query} attends most to b and d, 0.400"), live
     assert _most(["a", "b", "c"], [0.2, 0.5, 0.3], 3) == "b, 0.500"
+
+
+def test_tied_keys_that_are_the_same_token_are_named_by_position(browser, tmp_path):  # noqa: F811
+    """A sequence can repeat a token ("4 4" in the reversal task): when the tied keys are the
+    same token, the readout says where each one is, not "keys 4 and 4"."""
+    import torch
+    from selenium.webdriver.common.by import By
+    from test_browser import serve
+
+    from utils.explorer import attention_explorer
+
+    weights = torch.tensor([[[0.1, 0.4, 0.1, 0.4]]])
+    explorer = attention_explorer(weights, ["q"], ["7", "4", "5", "4"], element_id="same")
+    (tmp_path / "same.html").write_text(
+        f"<!doctype html><html><body>{explorer.html}</body></html>", encoding="utf-8")
+    with serve(tmp_path) as url:
+        browser.get(url + "same.html")
+        browser.find_element(By.ID, "same").find_element(By.CSS_SELECTOR, "button.tta-q").click()
+        readout = browser.execute_script(
+            "return document.querySelector('#same .tta-readout').textContent;")
+        browser.get("about:blank")
+    expected = "4 at position 1 and 4 at position 3"
+    assert readout.endswith(f"puts its largest weight, 0.400, on keys {expected}."), readout
+    assert _most(["7", "4", "5", "4"], [0.1, 0.4, 0.1, 0.4], 3) == f"{expected}, 0.400"

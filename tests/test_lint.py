@@ -3,6 +3,8 @@ pyproject)."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +33,59 @@ def test_notebook_code_is_formatted_to_the_column():
     assert proc.returncode == 0, (
         "run `.venv/bin/ruff format book`:\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
     )
+
+
+# A code block of the prose (a solution's code, the commands of a page) is drawn inside an
+# exercise's or solution's box, narrower than a code cell: 79 characters fit at 1280 px there
+# (the browser test measures every block), against 89 for a code cell.
+PROSE_CODE_COLUMNS = 79
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*(.*)$")
+
+
+def code_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """The fenced code blocks of MyST text, as (info string, lines), looking inside directives
+    (```{solution} ... ```) for the blocks they hold."""
+    blocks, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, info = m.groups()
+        close = re.compile(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        body = lines[i + 1:j]
+        if info.startswith("{") and not info.startswith(("{code", "{literal")):
+            blocks += code_blocks("\n".join(body))  # a directive: its blocks
+        else:
+            blocks.append((info, body))
+        i = j + 1
+    return blocks
+
+
+def _prose(path: Path) -> list[str]:
+    if path.suffix == ".md":
+        return [path.read_text(encoding="utf-8")]
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+
+
+def test_code_blocks_of_the_prose_fit_their_box():
+    """Every fenced code block of the book's Markdown (pages and notebooks) keeps its lines to
+    79 characters: a longer line scrolls sideways inside its exercise or solution box."""
+    pages = sorted((ROOT / "book").rglob("*.md")) + sorted((ROOT / "book").rglob("*.ipynb"))
+    pages = [p for p in pages if ".ipynb_checkpoints" not in p.parts]
+    long = [f"{p.relative_to(ROOT)}: {len(line)} characters: {line.strip()[:50]!r}"
+            for p in pages for text in _prose(p) for _, body in code_blocks(text)
+            for line in body if len(line) > PROSE_CODE_COLUMNS]
+    assert len(pages) > 20, pages
+    assert not long, "code blocks wider than their box (reformat, e.g. ruff format " \
+        f"--line-length {PROSE_CODE_COLUMNS}):\n" + "\n".join(long)
+
+
+def test_code_blocks_are_found_inside_directives():
+    text = "\n".join(["````{solution} ex-1", ":class: dropdown", "", "```python", "x = 1",
+                      "```", "", "text", "````", "```bash", "make book", "```"])
+    assert code_blocks(text) == [("python", ["x = 1"]), ("bash", ["make book"])]

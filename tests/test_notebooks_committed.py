@@ -77,6 +77,47 @@ def test_no_cell_writes_to_stderr(path):
             )
 
 
+# The characters of a line that the book's column shows at 1280 px without scrolling (the
+# browser test measures the same column; code is held to it by the linter).
+OUTPUT_COLUMNS = 89
+
+
+def long_output_lines(cells: list[dict], columns: int = OUTPUT_COLUMNS) -> list[str]:
+    """Lines of stored text outputs (printed text, or a result shown only as text) longer
+    than ``columns`` characters, as "code cell N: 97 characters: <start of the line>"."""
+    found = []
+    for i, cell in enumerate((c for c in cells if c["cell_type"] == "code"), start=1):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text" in out:
+                text = "".join(out["text"])
+            elif data.keys() <= {"text/plain"}:
+                text = "".join(data.get("text/plain", ""))
+            else:  # an HTML table, an image: the book shows that, not the text
+                continue
+            found += [f"code cell {i}: {len(line)} characters: {line[:60]!r}"
+                      for line in text.splitlines() if len(line) > columns]
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_outputs_fit_the_column(path):
+    """A printed line longer than the column scrolls sideways in the book at 1280 px, and its
+    end is out of sight: print it in lines that fit."""
+    long = long_output_lines(_cells(path))
+    assert not long, f"{len(long)} output lines wider than {OUTPUT_COLUMNS} characters: {long}"
+
+
+def test_long_output_lines_are_found():
+    cells = [{"cell_type": "markdown", "source": ["x" * 200]},
+             {"cell_type": "code", "outputs": [
+                 {"output_type": "stream", "name": "stdout", "text": ["ok\n", "y" * 90]},
+                 {"output_type": "execute_result", "data": {"text/plain": ["z" * 89]}},
+                 {"output_type": "display_data",
+                  "data": {"text/plain": ["w" * 99], "text/html": ["<table/>"]}}]}]
+    assert long_output_lines(cells) == [f"code cell 1: 90 characters: {'y' * 60!r}"]
+
+
 def test_the_readmes_chapter_map_has_the_books_titles():
     """Each row of the README's chapter map names its chapter as the chapter's title does."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

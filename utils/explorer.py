@@ -184,9 +184,15 @@ _JS = r"""
     });
     var head = state.head < nH ? data.heads[state.head] : "mean of the heads";
     var where = (nL > 1 ? data.layers[state.layer] + ", " : "") + head;
-    // Every key whose shown weight ties with the largest is named, not only the first.
+    // Every key whose shown weight ties with the largest is named, not only the first; where
+    // two of them are the same token, each is named with its position (from 0) as well.
     var top = w[best].toFixed(d);
-    var tied = data.k.filter(function (t, j) { return w[j].toFixed(d) === top; });
+    var at = data.k.map(function (t, j) { return j; })
+      .filter(function (j) { return w[j].toFixed(d) === top; });
+    var tied = at.map(function (j) { return data.k[j]; });
+    if (tied.some(function (t, i) { return tied.indexOf(t) !== i; })) {
+      tied = at.map(function (j) { return data.k[j] + " at position " + j; });
+    }
     var names = tied.length === 1 ? tied[0]
       : tied.slice(0, -1).join(", ") + " and " + tied[tied.length - 1];
     var most = data.q[state.query] + " attends most to " + names + ", " + top;
