@@ -39,7 +39,7 @@ GENERIC_SUFFIX = "+generic-cpu"
 # the run (see pytest_collection_modifyitems).
 BOOK_TEST_MODULES = (
     "tests/test_book.py", "tests/test_browser.py", "tests/test_browser_explorer.py",
-    "tests/test_commands.py",
+    "tests/test_browser_search.py", "tests/test_commands.py",
 )
 
 # Notebooks that take longest, first (measured with `make execute`); the rest follow in the

@@ -11,6 +11,8 @@
   registers before the builder exists and the copy it adds to the builder, because
   their empty file names differ (None and ""). A second ``const THEBE_JS_URL = ...``
   is a SyntaxError in the browser's console.
+- The search: chapters found first by their key terms, snippets of prose
+  (``tested_transformer_search``, beside this file).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctre
 
 
 def setup(app) -> dict[str, Any]:
+    app.setup_extension("tested_transformer_search")
     # Late (priority 900), after the extensions that add scripts to the page context.
     app.connect("html-page-context", _one_copy_of_each_inline_script, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
