@@ -194,6 +194,30 @@ def test_each_chapter_is_found_first_by_its_key_term(book_url, browser, request)
     assert not console, "the search page logged:\n" + "\n".join(console)
 
 
+def test_search_works_on_a_phone(book_url, browser):  # noqa: F811
+    """The same search as a 390x844 phone shows it: the chapter first or second, prose
+    snippets, and a results page that does not scroll sideways."""
+    from test_browser import PHONE
+
+    browser.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": PHONE[0], "height": PHONE[1], "deviceScaleFactor": 1, "mobile": True},
+    )
+    problems = []
+    try:
+        for term, chapter in KEY_TERMS[::6]:
+            results = search(browser, book_url, term)
+            problems += ranking_problems(term, chapter, results)
+            overflow = browser.execute_script(
+                "return document.documentElement.scrollWidth - window.innerWidth;")
+            if overflow > 1:
+                problems.append(f"{term!r}: the results page scrolls sideways by {overflow} px")
+        browser.get("about:blank")
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert not problems, "at 390x844:\n" + "\n".join(problems)
+
+
 def test_snippets_write_formulas_as_text(book_url, browser):  # noqa: F811
     """Inline formulas of a snippet, as the search page writes them."""
     browser.get(urljoin(book_url, "search.html"))
