@@ -25,9 +25,12 @@ LAB_ARGS ?=
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
 	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed
 
+# --no-compile: pip does not byte-compile every module it installs (a minute of CPU, most of it
+# for modules the book never imports); Python compiles what is imported, once, on first use.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt \
+		-c constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
@@ -151,7 +154,8 @@ assignments: venv
 #   make grade SUBMITTED=folder [OUT=_build/grades]
 # Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
 $(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements-grade.txt \
+		-c constraints.txt
 	@touch $@
 
 grade: $(GRADE_STAMP)
