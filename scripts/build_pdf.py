@@ -70,7 +70,7 @@ def fail(cause: list[str], logs: list[Path], tail: str = "") -> None:
     print("make pdf FAILED. The cause:", file=sys.stderr)
     print("\n".join(cause[:30]) or "(no error line found: see the logs)", file=sys.stderr)
     if tail:
-        print("\nThe end of its output:\n" + "\n".join(tail.splitlines()[-15:]), file=sys.stderr)
+        print("\nThe end of its output:\n" + "\n".join(tail.splitlines()[-8:]), file=sys.stderr)
     print("\nFull logs: " + ", ".join(str(p.relative_to(ROOT)) for p in logs), file=sys.stderr)
     sys.exit(1)
 
@@ -150,7 +150,8 @@ def main() -> None:
     if latexmk.returncode != 0:
         tex_log = latex_dir / "book.log"
         log = tex_log.read_text(errors="replace") if tex_log.is_file() else ""
-        cause = latex_errors(log) + latexmk_problems(latexmk.stdout + latexmk.stderr)
+        # A LaTeX error stops the pass, and the references it left undefined are only noise.
+        cause = latex_errors(log) or latexmk_problems(latexmk.stdout + latexmk.stderr)
         fail(cause, [latex_log, tex_log], latexmk.stdout + latexmk.stderr)
     shutil.copy(latex_dir / "book.pdf", out / TARGET)
     print(
