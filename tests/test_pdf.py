@@ -13,7 +13,15 @@ and ``pdftoppm`` (Debian's poppler-utils, installed by ``make pdf-deps``) and ch
 - every figure is embedded: each PNG output of the notebooks' code cells is in the PDF at its own
   size in pixels (``pdfimages -list``), and every page with text or an image renders with ink
   (``pdftoppm``);
-- no word runs past the margins of the text block (found from the body text's justified lines).
+- no word runs past the margins of the text block (found from the body text's justified lines),
+  and no line runs below it, under the footer or off the page (code that LaTeX could not break);
+- no page is left near-empty (its content ending above half the text block) before its chapter
+  ends, as a table that cannot break across pages leaves one;
+- the contents list one bibliography;
+- every character of the sources (Markdown pages, notebook cells and their text outputs) is in
+  the PDF's text: the fonts have them all (chapter 15's Japanese, Korean and emoji come from
+  Droid Sans Fallback and Symbola, in black and white), and only invisible characters (the
+  joiner of emoji sequences, variation selectors) are exempt.
 
 ``test_checks_catch_a_broken_pdf`` feeds the same checks small inputs that break every rule, to
 prove that they can fail.
@@ -34,6 +42,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pdf_pages import (
+    Box,
+    Geometry,
+    bibliography_lines,
+    characters_not_typeset,
+    fill,
+    geometry,
+    line_boxes,
+    near_empty_pages,
+    outside_text_block,
+    running_heads,
+    source_texts,
+    text_bottoms,
+)
 
 from conftest import ROOT
 
@@ -306,8 +328,28 @@ def pages(pdf) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def lines(pdf) -> list[Line]:
-    return bbox_lines(_run("pdftotext", "-bbox-layout", "-enc", "UTF-8", str(pdf), "-"))
+def bbox(pdf) -> str:
+    return _run("pdftotext", "-bbox-layout", "-enc", "UTF-8", str(pdf), "-")
+
+
+@pytest.fixture(scope="module")
+def lines(bbox) -> list[Line]:
+    return bbox_lines(bbox)
+
+
+@pytest.fixture(scope="module")
+def boxes(bbox) -> tuple[list[Box], dict[int, float]]:
+    return line_boxes(bbox)
+
+
+@pytest.fixture(scope="module")
+def rendered(pdf, tmp_path_factory) -> dict[int, bytes]:
+    """Every page rendered in grey at 12 dpi (PGM), by page number."""
+    out = tmp_path_factory.mktemp("pages")
+    proc = subprocess.run(["pdftoppm", "-gray", "-r", "12", str(pdf), str(out / "p")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and not proc.stderr.strip(), f"pdftoppm: {proc.stderr[-2000:]}"
+    return {int(path.stem.split("-")[-1]): path.read_bytes() for path in out.glob("p-*.pgm")}
 
 
 @pytest.fixture(scope="module")
@@ -367,15 +409,11 @@ def test_every_figure_is_embedded(pdf, toc):
     assert sum(found.values()) >= sum(expected.values())
 
 
-def test_every_page_renders(pdf, pages, tmp_path):
+def test_every_page_renders(pdf, pages, rendered):
     count = int(re.search(r"^Pages:\s+(\d+)", _run("pdfinfo", str(pdf)), re.M).group(1))
     assert count == len(pages)
-    proc = subprocess.run(["pdftoppm", "-gray", "-r", "12", str(pdf), str(tmp_path / "p")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and not proc.stderr.strip(), f"pdftoppm: {proc.stderr[-2000:]}"
-    rendered = sorted(tmp_path.glob("p-*.pgm"))
     assert len(rendered) == count, f"{len(rendered)} of {count} pages rendered"
-    ink = {int(path.stem.split("-")[-1]): pgm_ink(path.read_bytes()) for path in rendered}
+    ink = {page: pgm_ink(data) for page, data in rendered.items()}
     listing = _run("pdfimages", "-list", str(pdf)).splitlines()[2:]
     with_images = {int(row.split()[0]) for row in listing if row.strip()}
     with_text = {i for i, page in enumerate(pages, start=1) if page.strip()}
@@ -389,6 +427,41 @@ def test_no_line_runs_past_the_margin(lines):
     assert 60 < left < 90 and 500 < right < 540.5, f"odd text block {left} to {right}"
     past = words_past_margin(lines, left, right)
     assert not past, f"{len(past)} words run past the margin:\n" + "\n".join(past[:30])
+
+
+def test_nothing_runs_under_the_footer_or_off_the_page(boxes):
+    found_boxes, _ = boxes
+    g = geometry(found_boxes)
+    assert g.head < g.top < g.bottom < g.foot and 10 < g.foot - g.bottom < 40, f"odd pages: {g}"
+    found = outside_text_block(found_boxes, g)
+    assert not found, (f"{len(found)} lines lie outside the text block (code that ran past the "
+                       "page's end?):\n" + "\n".join(found[:30]))
+
+
+def test_no_near_empty_page_before_a_chapter_ends(boxes, rendered):
+    found_boxes, heights = boxes
+    g = geometry(found_boxes)
+    bottoms = text_bottoms(found_boxes, g)
+    fills = {p: fill(data, heights[p], g, bottoms.get(p, 0.0)) for p, data in rendered.items()}
+    found = near_empty_pages(fills, {p: p in running_heads(found_boxes, g) for p in fills})
+    assert not found, ("near-empty pages in the middle of a chapter (a table or figure that "
+                       "did not fit?):\n" + "\n".join(found))
+
+
+def test_the_contents_list_one_bibliography(pages):
+    # Every line but each page's last, its footer ("Bibliography  491" on the bibliography's
+    # own pages).
+    lines = [line for page in pages for line in [ln for ln in page.splitlines() if ln.strip()][:-1]]
+    found = bibliography_lines(lines)
+    assert len(found) == 1, f"the contents list {len(found)} bibliographies: {found}"
+
+
+def test_every_character_of_the_sources_is_typeset(pages, toc):
+    files = [toc["root"]] + [e.file for e in toc_entries(toc)]
+    sources = {file: source_texts(_source(file)) for file in files}
+    missing = characters_not_typeset(sources, "".join(pages))
+    assert not missing, ("characters of the sources missing from the PDF (a font without them? "
+                         "see CONTRIBUTING, 'make pdf'):\n" + "\n".join(missing))
 
 
 def test_checks_catch_a_broken_pdf(tmp_path):
@@ -431,3 +504,38 @@ def test_checks_catch_a_broken_pdf(tmp_path):
     white, inked = b"P5 4 2 255\n" + bytes([255] * 8), b"P5 4 2 255\n" + bytes([255] * 7 + [0])
     assert pgm_ink(white) == 0 and pgm_ink(inked) == 1
     assert blank_pages({1: 0, 2: 5, 3: 0}, {1, 2}) == [1]
+
+    # A code block run under the footer: its lines go on below the text block (y 731 and 742,
+    # beside the footer's page number) and off the page.
+    boxes = [Box(p, 35.5, 45.5, "The Tested Transformer") for p in (1, 2, 3)]
+    boxes += [Box(p, 75.1, 83.0, "text") for p in (1, 2, 3)]
+    boxes += [Box(p, 712.0, 719.9, "text") for p in (1, 2, 3)]
+    boxes += [Box(p, 741.9, 751.9, str(p)) for p in (1, 2, 3)]
+    g = geometry(boxes)
+    assert g == Geometry(35.5, 75.1, 719.9, 741.9)
+    fine = [Box(2, 718.0, 725.1, "k"), Box(2, 716.7, 726.6, "continues on next page")]
+    assert not outside_text_block(boxes + fine, g)  # a subscript, a long table's foot
+    over = [Box(2, 723.0, 731.0, "x = 1"), Box(2, 741.9, 749.0, "y = 2"),
+            Box(2, 800.0, 808.0, "z = 3")]
+    found = outside_text_block(boxes + over, g)
+    assert len(found) == 2 and "'x = 1'" in found[0] and "'z = 3'" in found[1], found
+
+    # Fill: a page inked down to its middle, and the near-empty page it makes mid-chapter.
+    half = b"P5 4 132 255\n" + bytes([0] * 4 * 66 + [255] * 4 * 66)
+    assert 0.45 < fill(half, 792.0, g) < 0.55
+    white = b"P5 4 132 255\n" + bytes([255] * 4 * 132)
+    assert fill(white, 792.0, g) == 0.0 and 0.74 < fill(white, 792.0, g, 560.0) < 0.76
+    assert text_bottoms(boxes + [Box(2, 500.0, 560.0, "x")], g)[1] == 719.9
+    fills = {1: 0.36, 2: 0.9, 3: 0.2, 4: 0.0, 5: 0.3, 6: 0.9, 7: 0.1}
+    heads = {1: True, 2: True, 3: True, 4: True, 5: True, 6: False, 7: True}
+    found = near_empty_pages(fills, heads)
+    assert len(found) == 1 and found[0].startswith("page 1:"), found  # 3, 5 end chapters
+
+    contents = ["Glossary  477", "Bibliography  481", "Bibliography  483", "Index  490"]
+    assert bibliography_lines(contents) == ["Bibliography  481", "Bibliography  483"]
+    assert bibliography_lines(["9.1 The decoder . . . 201", "Bibliography 491"]) == [
+        "Bibliography 491"]
+
+    sources = {"book/15": ["print('🙂 日本語')", "👨\u200d👩\ufe0f"], "book/intro": ["x\ty"]}
+    missing = characters_not_typeset(sources, "print('🙂 日語') 👨👩 x y")
+    assert len(missing) == 1 and "U+672C" in missing[0] and "book/15" in missing[0], missing

@@ -13,19 +13,26 @@
   is a SyntaxError in the browser's console.
 - The search: chapters found first by their key terms, snippets of prose
   (``tested_transformer_search``, beside this file).
+- In the PDF, a table too tall to sit in what is left of a page is set as a
+  ``longtable``, which breaks across pages (the ``tabulary`` that Sphinx uses
+  otherwise cannot break, and leaves the rest of the page empty before it), with
+  its columns as wide as their longest cell asks.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 from typing import Any
 
 import latexcodec  # noqa: F401 (registers the "ulatex" codec)
+from docutils import nodes
 from pybtex.backends.plaintext import Backend as PlaintextBackend
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.sorting.author_year_title import SortingStyle
+from sphinx.transforms.post_transforms import SphinxPostTransform
 
 
 def _plain(text: str) -> str:
@@ -103,8 +110,61 @@ def _one_copy_of_each_inline_script(app, pagename, templatename, context, doctre
     scripts[:] = kept
 
 
+# Characters of body text on a line of the PDF's text block, and the estimated
+# height, in lines, from which a table is set as a longtable: a third of a page.
+LINE_CHARACTERS = 110
+LONG_TABLE_LINES = 18
+NARROWEST_COLUMN = 0.12  # of the table's width
+
+
+def table_layout(rows: list[list[str]]) -> tuple[list[float], float]:
+    """Column widths (fractions of the table's width, each column as wide as its
+    longest cell asks, none narrower than NARROWEST_COLUMN) and the table's
+    estimated height in lines."""
+    columns = max(len(row) for row in rows)
+    longest = [
+        max((len(row[i]) for row in rows if i < len(row)), default=1)
+        for i in range(columns)
+    ]
+    widths = [max(n / max(1, sum(longest)), NARROWEST_COLUMN) for n in longest]
+    widths = [w / sum(widths) for w in widths]
+    height = 0.0
+    for row in rows:
+        room = [max(1.0, widths[i] * LINE_CHARACTERS - 2) for i in range(len(row))]
+        lines = [math.ceil(len(text) / room[i]) for i, text in enumerate(row)]
+        height += max(lines, default=0) + 0.3
+    return widths, height
+
+
+class BreakableTables(SphinxPostTransform):
+    """Tall tables of the LaTeX output as longtables with given column widths."""
+
+    default_priority = 400
+    builders = ("latex",)
+
+    def run(self, **kwargs: Any) -> None:
+        for table in self.document.findall(nodes.table):
+            tgroups = [n for n in table.children if isinstance(n, nodes.tgroup)]
+            if len(tgroups) != 1 or "longtable" in table["classes"]:
+                continue
+            rows = [
+                [entry.astext() for entry in row.findall(nodes.entry)]
+                for row in tgroups[0].findall(nodes.row)
+            ]
+            colspecs = [n for n in tgroups[0].children if isinstance(n, nodes.colspec)]
+            if not rows or len(colspecs) != max(len(row) for row in rows):
+                continue
+            widths, height = table_layout(rows)
+            if height < LONG_TABLE_LINES:
+                continue
+            for colspec, width in zip(colspecs, widths, strict=True):
+                colspec["colwidth"] = max(1, round(100 * width))
+            table["classes"] += ["longtable", "colwidths-given"]
+
+
 def setup(app) -> dict[str, Any]:
     app.setup_extension("tested_transformer_search")
+    app.add_post_transform(BreakableTables)
     # Late (priority 900), after the extensions that add scripts to the page context.
     app.connect("html-page-context", _one_copy_of_each_inline_script, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
