@@ -25,12 +25,12 @@ LAB_ARGS ?=
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
 	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed
 
-# --no-compile: pip does not byte-compile every module it installs (a minute of CPU, most of it
-# for modules the book never imports); Python compiles what is imported, once, on first use.
+# pip byte-compiles what it installs (a minute of CPU): a graded notebook's process may not
+# write anywhere but its scratch folder, so it could not cache what it compiled, and would
+# compile torch anew in every fresh process.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt \
-		-c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
@@ -43,8 +43,10 @@ book: venv
 # Debian's Chromium headless shell and its driver, for the browser test; installed only when
 # missing. Where they cannot be installed but the full `chromium` and its driver are there, the
 # test runs in that (slower) instead.
+# SKIP_BROWSER_DEPS=1: already done (.ci/run installs them first, then TeX beside make test).
 browser-deps:
-	@if ! command -v chromium-headless-shell >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if [ -z "$(SKIP_BROWSER_DEPS)" ] && { ! command -v chromium-headless-shell >/dev/null || \
+		! command -v chromedriver >/dev/null; }; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		{ $$SUDO apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium-headless-shell \
@@ -142,8 +144,7 @@ assignments: venv
 #   make grade SUBMITTED=folder [OUT=_build/grades]
 # Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
 $(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements-grade.txt \
-		-c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
 	@touch $@
 
 grade: $(GRADE_STAMP)

@@ -19,6 +19,7 @@ and snippets that break every rule, to prove that they can fail.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
 from urllib.parse import quote, urljoin, urlsplit
@@ -51,6 +52,16 @@ KEY_TERMS: list[tuple[str, str]] = [
     ("Llama", "book/14_real_models"),
     ("tokenizer", "book/15_tokens_and_real_text"),
     ("ring attention", "book/16_beyond_one_machine"),
+]
+# Words that are no key term (book/_ext/tested_transformer_search.py): the chapter whose
+# headings treat them must still come first or second, not be pushed down by the key terms of
+# other chapters that merely contain them ("causal mask", "residual connection").
+OTHER_WORDS: list[tuple[str, str]] = [
+    ("causal", "book/04_masking"),
+    ("padding", "book/04_masking"),
+    ("residual", "book/07_layer_norm_and_residuals"),
+    ("greedy", "book/09_transformer"),
+    ("temperature", "book/10_model_families"),
 ]
 TOP = 2
 SNIPPETS_CHECKED = 5  # the first results' snippets, those a reader reads
@@ -145,7 +156,9 @@ def ranking_problems(term: str, chapter: str, results: list[dict]) -> list[str]:
         if page_of(result["href"]) != chapter or chapter_seen:
             continue
         chapter_seen = True
-        if not any(w in snippet.lower() for w in words):
+        # A word of the query where a word starts ("mask" in "masking", not "graph" in
+        # "paragraph").
+        if not any(re.search(rf"\b{re.escape(w)}", snippet.lower()) for w in words):
             problems.append(
                 f"{term!r}: the snippet of {chapter} does not show the words searched for: "
                 f"{snippet[:160]!r}"
@@ -192,6 +205,28 @@ def test_each_chapter_is_found_first_by_its_key_term(book_url, browser, request)
     request.config.stash.setdefault(SUMMARY_LINES, []).append(line)
     assert not problems, "\n".join(problems) + "\n\n" + "\n\n".join(failed)
     assert not console, "the search page logged:\n" + "\n".join(console)
+
+
+def _key_terms() -> set[str]:
+    spec = importlib.util.spec_from_file_location(
+        "search_terms", ROOT / "book" / "_ext" / "tested_transformer_search.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {t for terms in module.KEY_TERMS.values() for t in terms.split(", ")}
+
+
+def test_words_that_are_no_key_term_find_their_chapter(book_url, browser):  # noqa: F811
+    keys = _key_terms()
+    assert not [w for w, _ in OTHER_WORDS if w in keys], "OTHER_WORDS must not be key terms"
+    problems, failed = [], []
+    for term, chapter in OTHER_WORDS:
+        results = search(browser, book_url, term)
+        found = ranking_problems(term, chapter, results)
+        problems += found
+        if found:
+            failed.append(format_ranking(term, search(browser, book_url, term, complete=True)))
+    browser.get("about:blank")
+    assert not problems, "\n".join(problems) + "\n\n" + "\n\n".join(failed)
 
 
 def test_search_works_on_a_phone(book_url, browser):  # noqa: F811
@@ -257,6 +292,9 @@ def test_checks_catch_a_bad_ranking():
         "result #5 (book/10_model_families.html) has no snippet",
     ):
         assert expected in problems, f"{expected!r} not reported in:\n{problems}"
+    assert ranking_problems("graph", "book/11_attention_beyond_text", [
+        {"href": "book/11_attention_beyond_text.html", "title": "11.", "snippet": "A paragraph."}
+    ]), "'graph' found inside 'paragraph'"
     assert "not among the 1 results listed" in "\n".join(
         ranking_problems("masking", "book/04_masking", [other])
     )

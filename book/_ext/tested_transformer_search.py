@@ -7,12 +7,16 @@ match). Chapters 10 to 13 have headings with "mask" in them, as chapter 4 has,
 and a tie is broken by comparing the titles as text, where "10." comes before
 "4.": searching "masking" listed chapter 4 sixth.
 
-- ``KEY_TERMS``: the terms a reader would type for each chapter. Each becomes
-  an index entry at the top of its chapter in the HTML build (not in the LaTeX
-  one, whose printed index is the glossary's), so that searching for it lists
-  that chapter first, or second after the glossary's entry for the same term. A
-  term names one chapter (a mention elsewhere does not count); a document
-  missing from the book is a warning, so a renamed chapter fails ``-W``.
+- ``KEY_TERMS``: the search's key terms, the words a reader would type for each
+  chapter's topic. Each is added to the search index as an entry at the top of
+  its chapter in the HTML build, once the pages are read, so that it reaches the
+  search and not the printed index (the glossary's): searching for exactly that
+  term lists the chapter first (a chapter before the glossary's entry for the
+  same term). A term names one chapter (a mention elsewhere does not count); a
+  document missing from the book is a warning, so a renamed chapter fails ``-W``.
+- ``tested_transformer_scorer.js`` (html_search_scorer): only an exact key term
+  scores high; an entry that merely contains the query scores as a heading does,
+  and results of equal score come in the book's order, chapter 4 before 10.
 - ``tested-transformer-search.js``, on the search page only: each result's
   snippet is the prose around the query's words, inline formulas written as
   text, instead of the start of the page (its download menu, "....ipynb") or
@@ -21,6 +25,7 @@ and a tie is broken by comparing the titles as text, where "10." comes before
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from docutils import nodes
@@ -30,6 +35,7 @@ from sphinx.util import logging
 logger = logging.getLogger(__name__)
 
 SEARCH_SCRIPT = "tested-transformer-search.js"
+SCORER = "tested_transformer_scorer.js"  # beside this file: html_search_scorer
 
 # Each chapter's key terms, comma-separated, lower case as the search compares them.
 # A query finds an entry that holds it and is at most twice its length: "rotary" finds
@@ -95,10 +101,16 @@ def _search_page_script(app, pagename, templatename, context, doctree) -> None:
         app.add_js_file(SEARCH_SCRIPT, defer="defer")
 
 
+def _use_the_scorer(app, config) -> None:
+    if not config.html_search_scorer:
+        config.html_search_scorer = str(Path(__file__).with_name(SCORER))
+
+
 def setup(app) -> dict[str, Any]:
     # A setting, so that a change to the table rebuilds every page of the HTML book (an
     # edit of this file alone does not make Sphinx write the pages again).
     app.add_config_value("search_key_terms", KEY_TERMS, "html", types=[dict])
+    app.connect("config-inited", _use_the_scorer)
     app.connect("doctree-resolved", _add_key_terms)
     app.connect("env-updated", _check_key_terms)
     app.connect("html-page-context", _search_page_script)
