@@ -43,7 +43,8 @@ book: venv
 # Debian's Chromium headless shell and its driver, for the browser test; installed only when
 # missing. Where they cannot be installed but the full `chromium` and its driver are there, the
 # test runs in that (slower) instead.
-# SKIP_BROWSER_DEPS=1: already done (.ci/run installs them first, then TeX beside make test).
+# SKIP_BROWSER_DEPS=1: already done (.ci/run installs them first, then TeX and the PDF beside
+# make test).
 browser-deps:
 	@if [ -z "$(SKIP_BROWSER_DEPS)" ] && { ! command -v chromium-headless-shell >/dev/null || \
 		! command -v chromedriver >/dev/null; }; then \
