@@ -180,19 +180,26 @@ def test_every_chapter_has_a_key_term():
     assert not missing, f"chapters without a key term in KEY_TERMS: {missing}"
 
 
+def search_all(driver, base_url: str, pairs: list[tuple[str, str]]):
+    """Search each (term, chapter) of `pairs`: the problems found, the whole ranking of each
+    term that has one, and each term's "term place"."""
+    problems, failed, ranks = [], [], []
+    for term, chapter in pairs:
+        results = search(driver, base_url, term)
+        found = ranking_problems(term, chapter, results)
+        problems += found
+        if found:
+            failed.append(format_ranking(term, search(driver, base_url, term, complete=True)))
+        ranks.append(f"{term} {rank_of(chapter, results) or '-'}")
+    driver.get("about:blank")
+    return problems, failed, ranks
+
+
 def test_each_chapter_is_found_first_by_its_key_term(book_url, browser, request):  # noqa: F811
     browser.get("about:blank")
     browser.get_log("browser")  # what earlier pages logged
     started = time.monotonic()
-    problems, failed, ranks = [], [], []
-    for term, chapter in KEY_TERMS:
-        results = search(browser, book_url, term)
-        found = ranking_problems(term, chapter, results)
-        problems += found
-        if found:
-            failed.append(format_ranking(term, search(browser, book_url, term, complete=True)))
-        ranks.append(f"{term} {rank_of(chapter, results) or '-'}")
-    browser.get("about:blank")
+    problems, failed, ranks = search_all(browser, book_url, KEY_TERMS)
     console = [
         f"{m['level']}: {m['message'][:200]}"
         for m in browser.get_log("browser")
@@ -218,14 +225,7 @@ def _key_terms() -> set[str]:
 def test_words_that_are_no_key_term_find_their_chapter(book_url, browser):  # noqa: F811
     keys = _key_terms()
     assert not [w for w, _ in OTHER_WORDS if w in keys], "OTHER_WORDS must not be key terms"
-    problems, failed = [], []
-    for term, chapter in OTHER_WORDS:
-        results = search(browser, book_url, term)
-        found = ranking_problems(term, chapter, results)
-        problems += found
-        if found:
-            failed.append(format_ranking(term, search(browser, book_url, term, complete=True)))
-    browser.get("about:blank")
+    problems, failed, _ = search_all(browser, book_url, OTHER_WORDS)
     assert not problems, "\n".join(problems) + "\n\n" + "\n\n".join(failed)
 
 
