@@ -9,8 +9,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# nbgrader (requirements-grade.txt), for `make grade` and for the tests that run nbgrader.
-GRADE_STAMP := $(VENV)/.grade-installed
+# nbgrader (requirements-grade.txt), for instructors and for its test, in an environment of its
+# own layered on .venv: .venv stays exactly what `make book` gives a reader (requirements.txt and
+# what it pulls in), so the notebooks are tested in the reader's environment.
+GRADE_VENV := .venv-grade
+GRADE_STAMP := $(GRADE_VENV)/.installed
 PORT ?= 8000
 # Two notebooks run at once on two cores, so each kernel gets one thread: two kernels of two
 # threads each would oversubscribe the cores, and PyTorch's thread pool slows down many times over.
@@ -25,12 +28,17 @@ LAB_ARGS ?=
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
 	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed
 
-# pip byte-compiles what it installs (a minute of CPU): a graded notebook's process may not
-# write anywhere but its scratch folder, so it could not cache what it compiled, and would
-# compile torch anew in every fresh process.
+# Everything installed is byte-compiled, on every core at once (pip would compile it file by
+# file: a minute and a half on one core): a graded notebook's process may not write anywhere but
+# its scratch folder, so it could not cache what it compiled, and would compile torch anew in
+# every fresh process. Files that are not Python 3.11 (torch's py312_intrinsics.py) are skipped
+# without a word, as pip skips them.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt \
+		-c constraints.txt
+	$(PY) -c "import compileall, sysconfig; \
+		compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
 
@@ -134,20 +142,29 @@ bench: venv
 
 # The grader on a class of 56 notebooks over all assignments (isolation on, two at a time), and
 # the cost of the kernel's confinement per child process, into _build/grading-bench/.
-bench-grade: venv $(GRADE_STAMP)
+bench-grade: venv
 	$(PY) scripts/grading_benchmark.py $(BENCH_GRADE_ARGS)
 
 # Student versions of the assignments, every solution replaced by a stub, into _build/assignments/.
 assignments: venv
 	$(PY) scripts/make_assignments.py --out _build/assignments
 
-# Grade handed-in notebooks, each in its own sandboxed process:
-#   make grade SUBMITTED=folder [OUT=_build/grades]
-# Also installs nbgrader (requirements-grade.txt) for instructors who grade with it.
+# nbgrader and the four packages it adds, in .venv-grade: a venv without packages of its own
+# but those, which sees everything in .venv (a .pth file adds .venv's site-packages to its path),
+# so pip there installs only what .venv lacks. Run it as .venv-grade/bin/nbgrader.
 $(GRADE_STAMP): $(STAMP) requirements-grade.txt constraints.txt
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-grade.txt -c constraints.txt
+	rm -rf $(GRADE_VENV)
+	$(PY) -m venv --without-pip $(GRADE_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(GRADE_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_book_venv.pth"
+	$(GRADE_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		-r requirements-grade.txt -c constraints.txt
 	@touch $@
 
+# Grade handed-in notebooks, each in its own sandboxed process:
+#   make grade SUBMITTED=folder [OUT=_build/grades]
+# Also installs nbgrader (requirements-grade.txt, into .venv-grade) for instructors who grade
+# with it.
 grade: $(GRADE_STAMP)
 	@test -n "$(SUBMITTED)" || { echo "usage: make grade SUBMITTED=folder [OUT=dir]"; exit 2; }
 	$(PY) scripts/grade_assignments.py $(SUBMITTED) --out $(or $(OUT),_build/grades)

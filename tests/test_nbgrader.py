@@ -2,16 +2,16 @@
 unchanged, `nbgrader generate_assignment` makes the student version, and `nbgrader autograde`
 scores a right and a wrong submission; `nbgrader export` writes the scores we check.
 
-nbgrader comes from requirements-grade.txt, which `make test` and `make grade` install."""
+nbgrader comes from requirements-grade.txt, which `make test` and `make grade` install into
+.venv-grade, an environment layered on .venv (the Makefile): the notebooks' own environment, .venv,
+stays the reader's (tests/test_environment.py)."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
@@ -26,13 +26,14 @@ SOURCE = ROOT / "book" / "assignments" / f"{ASSIGNMENT}.ipynb"
 # Right without a mask, wrong with one: every masked case fails and the unmasked one passes.
 MASK_IGNORED = A1_RIGHT.replace("    if mask is not None:", "    if False:")
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+GRADE_PYTHON = ROOT / ".venv-grade" / "bin" / "python"
 
 
 def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(course / ".jupyter"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{GRADE_PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("JUPYTER_PATH", None)
-    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env,
+    proc = subprocess.run([str(GRADE_PYTHON), "-m", "nbgrader", *args], cwd=course, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"nbgrader {args[0]} failed:\n{proc.stdout[-3000:]}" \
                                  f"\n{proc.stderr[-5000:]}"
@@ -48,8 +49,8 @@ def _solution_cells(nb: nbformat.NotebookNode, kind: str = "code") -> list[int]:
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
     """A course folder after generate_assignment, autograde and export; returns what they made."""
-    if importlib.util.find_spec("nbgrader") is None:
-        pytest.fail("nbgrader is not installed: `make test` installs requirements-grade.txt")
+    if not GRADE_PYTHON.exists():
+        pytest.fail(f"{GRADE_PYTHON} is missing: `make test` installs requirements-grade.txt there")
     course = tmp_path_factory.mktemp("course")
     (course / "nbgrader_config.py").write_text(
         "c = get_config()\n"
