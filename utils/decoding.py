@@ -275,8 +275,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     the cache; every later step feeds each row's newest token at its own position
     ``length_b - 1``, and its key and value take the next cache slot. A shorter prompt leaves
     cache slots of padding between its prompt and its new tokens: a key mask hides them. The
-    rows finished by ``<eos>`` keep being fed but hidden, so that the random draws of sampling
-    are those of the recomputing path, and the tokens the same.
+    rows finished by ``<eos>`` keep being fed (hidden by the key mask once the loop has read
+    that they are finished: their own logits are never used), so that the batch keeps its
+    shape, the random draws of sampling are those of the recomputing path, and the tokens the
+    same.
 
     Args:
         model: an ``nn.Module``, ``model(tokens)`` -> (B, L, V) logits, causal.

@@ -82,8 +82,9 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
     if device.type == "cpu":
         return torch.default_generator
     if device.type == "cuda":
-        return torch.cuda.default_generators[device.index or torch.cuda.current_device()]
-    return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None  # e.g. MPS: sampling without a generator of its own reads every step
 
 
 def _vocab_fits(model: nn.Module, logits: torch.Tensor) -> bool:
