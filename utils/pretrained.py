@@ -233,7 +233,9 @@ def load_gpt2(
         FileNotFoundError: for a missing folder or file.
         ValueError: for an unsupported config (another model_type, an unknown activation,
             cross-attention, unscaled or layer-scaled attention), or a checkpoint with an
-            unknown key, a missing key or a tensor of the wrong shape, each named.
+            unknown key, a missing key or a tensor of the wrong shape, each named; for a
+            ``dtype`` that is not floating or a ``device`` that names no device.
+        InputTypeError: for a ``dtype`` or ``device`` of the wrong type.
     """
     where = str(directory)
     with StoredTensors(directory) as stored:  # the files exist: now the arguments
@@ -405,7 +407,7 @@ def load_llama(
         ValueError: for an unsupported config (another model_type, rope scaling, an activation
             other than SiLU, a head_dim other than hidden_size / num_attention_heads,
             pretraining_tp > 1), or a checkpoint with an unknown key, a missing key or a tensor
-            of the wrong shape, each named.
+            of the wrong shape, each named; a bad ``dtype`` or ``device`` as in `load_gpt2`.
     """
     layout = require_choice("layout", layout, ("half", "interleaved"))
     where = str(directory)
