@@ -22,7 +22,7 @@ from utils.devices import MixedPrecision
 from utils.layers import LayerNorm, RMSNorm
 from utils.models import Seq2SeqTransformer
 from utils.tasks import ReversalTask
-from utils.train import token_cross_entropy, train
+from utils.train import token_cross_entropy, train, train_side_by_side
 
 TASK = ReversalTask(min_len=3, max_len=6)
 STEPS = 30
@@ -40,6 +40,11 @@ def _model() -> Seq2SeqTransformer:
         dim_feedforward=32,
         norm_first=True,
     )
+
+
+def _seq2seq_loss(model, batch):
+    logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    return token_cross_entropy(logits, batch.tgt_out)
 
 
 def _run(steps: int = STEPS, **kwargs):
@@ -125,6 +130,16 @@ def test_train_refuses_bad_devices_and_precisions_before_any_step(kwargs, phrase
         )
     assert phrase in str(caught.value), f"the message was: {caught.value}"
     assert torch.equal(model.weight, before)
+
+
+def test_train_side_by_side_passes_device_and_precision_to_each_run():
+    """autocast is per thread: each run in its own thread gets it, as train alone does."""
+    alone = [_run(steps=5, device="cpu", precision="bf16")[0].step_losses for _ in range(2)]
+    runs = [(_model(), list(islice(TASK.batches(8, seed=0), 5))) for _ in range(2)]
+    together = train_side_by_side(
+        runs, _seq2seq_loss, steps=5, lr=1e-2, print_fn=None, device="cpu", precision="bf16"
+    )
+    assert [h.step_losses for h in together] == alone
 
 
 # ----- precision= ----------------------------------------------------------------------------

@@ -8,8 +8,8 @@
 
 Every module works on (..., d_model) inputs, batch first, as in the rest of the book. The norms
 compute in float32 when given bfloat16 or float16 and round once at the end, as PyTorch's fused
-kernels and Hugging Face `transformers` do: a mean over d_model numbers summed in bfloat16 (8
-bits of mantissa) would lose most of its digits.
+kernels and Hugging Face `transformers` do, rather than rounding every intermediate (the
+squares, the mean, the square root) to the 8 significant bits of bfloat16.
 """
 
 from __future__ import annotations
