@@ -26,7 +26,8 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
-	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed
+	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed \
+	check-devices
 
 # Everything installed is byte-compiled, on every core at once (pip would compile it file by
 # file: a minute and a half on one core): a graded notebook's process may not write anywhere but
@@ -133,6 +134,13 @@ TRAIN_ARGS ?=
 train-distributed: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		scripts/train_distributed.py $(TRAIN_ARGS)
+
+# The book's code on every device present (the CPU, CUDA, Apple's MPS) against PyTorch and
+# transformers there: equalities, bfloat16, a training run against the CPU's, attention with a
+# key-less query, decoding speed; into _build/devices/check-devices.json and .md.
+# CHECK_ARGS: "--quick", "--device cuda", "--out DIR".
+check-devices: venv
+	$(PY) scripts/check_devices.py $(CHECK_ARGS)
 
 # Speed and memory of the attention code, each a ratio against PyTorch's counterpart, into
 # _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--device cuda", "--repeats 9",
