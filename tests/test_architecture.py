@@ -25,12 +25,14 @@ CLASS_LINES = 120  # any class, from its first decorator to its last line
 LEVELS = {
     # foundations: argument checks, comparisons, glue, the seed
     "utils": 0, "utils._validation": 0, "utils.compare": 0, "utils.glue": 0,
+    "utils.devices": 0,  # where the code runs and in what precision: device(), to_device()
     # pieces (chapters 1-7, 11-13): each is one idea, proved equal to PyTorch's
     "utils.convert": 1, "utils.masks": 1, "utils.attention": 1, "utils.kv_cache": 1,
     "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
     "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
     "utils.ngram": 1,  # the interpolated n-gram baseline of chapter 15
+    "utils.schedules": 1,  # learning-rate schedules (chapters 7, 9), re-exported by utils.train
     # layers and stacks (chapters 8-9), made of pieces
     "utils.transformer_layers": 2, "utils.transformer": 2,
     # models and what uses them: tasks, training, decoding, counts, figures (chapters 9 on)

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from ._validation import InputTypeError
+from .devices import device, to_device
 
-__all__ = ["seed_everything", "set_deterministic_algorithms"]
+__all__ = ["seed_everything", "set_deterministic_algorithms", "device", "to_device"]
 
 
 def seed_everything(seed: int) -> None:

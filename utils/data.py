@@ -8,7 +8,8 @@ Every vocabulary's first three tokens are the shared specials ``<pad>``, ``<bos>
 padding masks in the book's bool convention: True = a real token (see `utils.masks`). Shapes:
 `pad_sequences` gives (B, L) int64 ids and a (B, L) bool mask; `Seq2SeqBatch` (encoder-decoder),
 `LMBatch` (decoder-only) and `MLMBatch` (encoder-only) hold (B, L) tensors. A target of ``PAD``
-means "no loss here": pass ``ignore_index=PAD`` to the cross-entropy.
+means "no loss here": pass ``ignore_index=PAD`` to the cross-entropy. Batches are made on the CPU
+unless a maker is given ``device=``; ``batch.to(device)`` returns a copy with every tensor moved.
 
 `bert_mask_tokens` is BERT's masking rule (of the chosen positions, 80% become ``<mask>``, 10% a
 random token, 10% stay), for chapter 10's comparison with the simpler rule of
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from ._validation import InputTypeError, require_bool, require_int, require_real, type_name
+from .devices import MovableBatch, resolve_device
 
 __all__ = [
     "PAD",
@@ -175,7 +177,8 @@ class Vocab:
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | None = None,
-                  pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  pad_to: int = 0, device: str | torch.device | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack sequences of different lengths into one tensor, padding on the right.
 
     Args:
@@ -185,11 +188,14 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
         max_len: the padded length, a positive int; defaults to the longest sequence.
         pad_to: pad to at least this many positions (an int >= 0; when ``max_len`` is not
             given), e.g. to give every batch of a task the same width.
+        device: where to put the result (a str or `torch.device`; None: the CPU). The batch is
+            made on the CPU and then moved.
 
     Returns:
         ``(tokens, mask)``: tokens (B, max_len) int64, and mask (B, max_len) bool, True at real
         tokens and False at padding (the convention of `utils.masks.padding_mask`).
     """
+    device = None if device is None else resolve_device(device)
     _require_sequence("seqs", seqs, "sequences of token ids")
     if len(seqs) == 0:
         raise ValueError("seqs must hold at least one sequence, got none")
@@ -215,6 +221,8 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD, max_len: int | 
         for row, r in enumerate(rows):
             tokens[row, : len(r)] = r
     mask = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
+    if device is not None:
+        return tokens.to(device), mask.to(device)
     return tokens, mask
 
 
@@ -234,7 +242,7 @@ def _int_lists(seqs: Sequence) -> list | None:
 
 
 @dataclass
-class Seq2SeqBatch:
+class Seq2SeqBatch(MovableBatch):
     """A padded batch for an encoder-decoder model trained with teacher forcing.
 
     Attributes:
@@ -254,19 +262,21 @@ class Seq2SeqBatch:
 
     @classmethod
     def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                   pad_to: int = 0) -> Seq2SeqBatch:
+                   pad_to: int = 0, device: str | torch.device | None = None) -> Seq2SeqBatch:
         """Build the batch from (source, target) pairs of ids without specials; source and
-        target are padded to at least ``pad_to`` positions (see `pad_sequences`). An empty
-        list of pairs raises `ValueError`."""
+        target are padded to at least ``pad_to`` positions (see `pad_sequences`) and put on
+        ``device`` (None: the CPU). An empty list of pairs raises `ValueError`."""
         _require_pairs(pairs)
+        device = None if device is None else resolve_device(device)
         src, src_mask = pad_sequences([s for s, _ in pairs], pad_to=pad_to)
         tgt_in, tgt_mask = pad_sequences([[BOS, *t] for _, t in pairs], pad_to=pad_to)
         tgt_out, _ = pad_sequences([[*t, EOS] for _, t in pairs], pad_to=pad_to)
-        return cls(src, src_mask, tgt_in, tgt_out, tgt_mask)
+        batch = cls(src, src_mask, tgt_in, tgt_out, tgt_mask)
+        return batch if device is None else batch.to(device)
 
 
 @dataclass
-class LMBatch:
+class LMBatch(MovableBatch):
     """A padded batch for a causal language model.
 
     Attributes:
@@ -282,7 +292,7 @@ class LMBatch:
 
 
 @dataclass
-class MLMBatch:
+class MLMBatch(MovableBatch):
     """A padded batch for masked-token prediction.
 
     Attributes:
@@ -332,7 +342,9 @@ def bert_mask_tokens(tokens: torch.Tensor, mask_id: int, vocab_size: int,
     Returns:
         ``(inputs, targets, kind)``, each shaped like ``tokens``: the corrupted ids; the original
         id at chosen positions and ``PAD`` elsewhere; and ``kind`` (int64): 0 not chosen,
-        1 replaced by ``<mask>``, 2 replaced by a random token, 3 chosen but unchanged.
+        1 replaced by ``<mask>``, 2 replaced by a random token, 3 chosen but unchanged. They
+        are on ``tokens``' device; the draws are made on the CPU (``generator`` is a CPU
+        generator), so a seed gives the same draws on every device.
     """
     if not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2):
         raise InputTypeError(f"tokens must be a (B, L) or (L,) tensor of ids, got "
@@ -349,6 +361,7 @@ def bert_mask_tokens(tokens: torch.Tensor, mask_id: int, vocab_size: int,
         raise ValueError(f"no ordinary token to draw: vocab_size={vocab_size}, "
                          f"num_specials={num_specials}")
     select_prob = require_real("select_prob", select_prob, low=0.0, high=1.0)
+    where, tokens = tokens.device, tokens.cpu()  # drawn on the CPU, the generator's device
     u = torch.rand(tokens.shape, generator=generator)
     chosen = (torch.rand(tokens.shape, generator=generator) < select_prob) & (
         tokens >= num_specials)
@@ -362,7 +375,7 @@ def bert_mask_tokens(tokens: torch.Tensor, mask_id: int, vocab_size: int,
     inputs[kind == 1] = mask_id
     inputs[kind == 2] = random_ids[kind == 2]
     targets = torch.where(chosen, tokens.long(), torch.full_like(inputs, PAD))
-    return inputs, targets, kind
+    return inputs.to(where), targets.to(where), kind.to(where)
 
 
 _BOOK = Path(__file__).resolve().parent.parent / "book"

@@ -6,7 +6,10 @@
 - `MixtureOfExperts`: several feed-forward experts and a router that sends each token to one;
 - `LayerNorm` and `RMSNorm`, each with ``from_torch``.
 
-Every module works on (..., d_model) inputs, batch first, as in the rest of the book.
+Every module works on (..., d_model) inputs, batch first, as in the rest of the book. The norms
+compute in float32 when given bfloat16 or float16 and round once at the end, as PyTorch's fused
+kernels and Hugging Face `transformers` do, rather than rounding every intermediate (the
+squares, the mean, the square root) to the 8 significant bits of bfloat16.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ __all__ = [
 ]
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when its dtype is narrower (bfloat16, float16); ``x`` itself otherwise,
+    so that float32 and float64 inputs go through exactly the operations they always did."""
+    return x.float() if x.element_size() < 4 else x
+
+
 def _require_last_dim(name: str, x: object, module: nn.Module) -> torch.Tensor:
     """A tensor of shape (..., d_model) with the dtype and device of ``module``'s parameters."""
     require_tensor(name, x)
@@ -69,6 +78,11 @@ class LayerNorm(nn.Module):
             derives it. The two agree to rounding (``tests/test_layers.py``). An attribute too:
             set ``module.fused = False`` on a built module.
 
+    In bfloat16 or float16 both paths compute in float32, gain and bias included, and round
+    once at the end: the fused kernel does so inside (it is the very call of
+    ``torch.nn.LayerNorm``, hence of GPT-2 in `transformers`), the step-by-step path by
+    converting the input to float32 first.
+
     Attributes:
         weight: the gain, shape (d_model,), initialised to ones; None without
             ``elementwise_affine``.
@@ -94,14 +108,15 @@ class LayerNorm(nn.Module):
         _require_last_dim("x", x, self)
         if self.fused:
             return F.layer_norm(x, (self.d_model,), self.weight, self.bias, self.eps)
-        centred = x - x.mean(dim=-1, keepdim=True)
+        h = _upcast(x)  # float32 for bfloat16 and float16; x itself for float32 and float64
+        centred = h - h.mean(dim=-1, keepdim=True)
         var = (centred ** 2).mean(dim=-1, keepdim=True)
         y = centred / torch.sqrt(var + self.eps)
         if self.weight is not None:
-            y = y * self.weight
+            y = y * self.weight  # a bfloat16 gain times a float32 y is computed in float32
         if self.bias is not None:
             y = y + self.bias
-        return y
+        return y.to(x.dtype)  # no operation at all when x is already float32
 
     def extra_repr(self) -> str:
         return (f"{self.d_model}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
@@ -137,6 +152,12 @@ class RMSNorm(nn.Module):
             gives 0 / 0 = NaN, as in torch; None or a positive eps gives zeros there.
         elementwise_affine: whether there is a learned gain, as in `torch.nn.RMSNorm`.
 
+    In bfloat16 or float16 the mean square and the division are computed in float32, the
+    result is rounded back to the input's dtype, and only then multiplied by the gain, in that
+    dtype: the order of Llama's ``LlamaRMSNorm`` in `transformers`, which the book's Llama
+    checkpoints are compared with. (`torch.nn.RMSNorm` multiplies by the gain before rounding,
+    so in bfloat16 the two can differ by one unit in the last place.)
+
     Attributes:
         weight: the gain, shape (d_model,), initialised to ones; None without
             ``elementwise_affine``.
@@ -156,8 +177,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _require_last_dim("x", x, self)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        ms = (x * x).mean(dim=-1, keepdim=True)
-        y = x * torch.rsqrt(ms + eps)
+        h = _upcast(x)  # float32 for bfloat16 and float16; x itself for float32 and float64
+        ms = (h * h).mean(dim=-1, keepdim=True)
+        y = (h * torch.rsqrt(ms + eps)).to(x.dtype)  # no operation when x is float32
         return y if self.weight is None else y * self.weight
 
     def extra_repr(self) -> str:

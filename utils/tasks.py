@@ -49,6 +49,7 @@ from .data import (
     _require_pairs,
     pad_sequences,
 )
+from .devices import resolve_device
 
 __all__ = ["ReversalTask", "SortingTask", "MissingDigitTask"]
 
@@ -170,24 +171,29 @@ class _Task:
         return self._draw_many(n, g, self._exclude_keys(exclude), distinct=True, cap=cap)
 
     def batches(self, batch_size: int, seed: int, exclude: Iterable = (),
-                pad_to: int = 0) -> Iterator:
+                pad_to: int = 0, device: str | torch.device | None = None) -> Iterator:
         """An endless stream of fresh random batches, none containing an input in ``exclude``,
-        each padded to at least ``pad_to`` positions (see `pad_sequences`).
-
-        The arguments (``batch_size`` a positive int, ``seed`` and ``pad_to`` ints >= 0) are
-        checked here, when the stream is made, not when the first batch is drawn.
+        each padded to at least ``pad_to`` positions (see `pad_sequences`) and put on
+        ``device`` (a str or `torch.device`; None: the CPU). The examples are drawn on the
+        CPU, so a seed gives the same batches on every device. The arguments (``batch_size`` a
+        positive int, ``seed`` and ``pad_to`` ints >= 0, a device present here) are checked
+        here, when the stream is made, not when the first batch is drawn.
         """
         batch_size = require_int("batch_size", batch_size)
         seed = require_int("seed", seed, minimum=0)
         pad_to = require_int("pad_to", pad_to, minimum=0)
-        return self._stream(batch_size, seed, self._exclude_keys(exclude), pad_to)
+        device = None if device is None else resolve_device(device)
+        return self._stream(batch_size, seed, self._exclude_keys(exclude), pad_to, device)
 
-    def _stream(self, batch_size: int, seed: int, keys: set, pad_to: int) -> Iterator:
+    def _stream(self, batch_size: int, seed: int, keys: set, pad_to: int,
+                device: torch.device | None) -> Iterator:
         g = torch.Generator().manual_seed(seed)
         while True:
-            yield self.collate(self._draw_many(batch_size, g, keys, distinct=False), pad_to)
+            examples = self._draw_many(batch_size, g, keys, distinct=False)
+            yield self.collate(examples, pad_to, device)
 
-    def collate(self, examples: Sequence, pad_to: int = 0):  # pragma: no cover - per task
+    def collate(self, examples: Sequence, pad_to: int = 0,
+                device: str | torch.device | None = None):  # pragma: no cover - per task
         raise NotImplementedError
 
 
@@ -229,9 +235,10 @@ class ReversalTask(_Task):
         return self.num_symbols ** self._require_length(length)
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
-                pad_to: int = 0) -> Seq2SeqBatch:
-        """(source, target) pairs -> a padded `Seq2SeqBatch`; an empty list raises."""
-        return Seq2SeqBatch.from_pairs(examples, pad_to)
+                pad_to: int = 0, device: str | torch.device | None = None) -> Seq2SeqBatch:
+        """(source, target) pairs -> a padded `Seq2SeqBatch` on ``device`` (None: the CPU); an
+        empty list raises."""
+        return Seq2SeqBatch.from_pairs(examples, pad_to, device)
 
 
 class SortingTask(_Task):
@@ -291,17 +298,19 @@ class SortingTask(_Task):
         return self.num_digits ** length
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
-                pad_to: int = 0) -> LMBatch:
-        """(prompt, answer) pairs -> an `LMBatch` whose targets score only the answers; an
-        empty list raises."""
+                pad_to: int = 0, device: str | torch.device | None = None) -> LMBatch:
+        """(prompt, answer) pairs -> an `LMBatch` whose targets score only the answers, on
+        ``device`` (None: the CPU); an empty list raises."""
         _require_pairs(examples)
         pad_to = require_int("pad_to", pad_to, minimum=0)
+        device = None if device is None else resolve_device(device)
         full = [[*p, *a] for p, a in examples]
         tokens, real = pad_sequences(full, pad_to=pad_to + 1 if pad_to else 0)
         inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
         for row, (p, _) in enumerate(examples):
             targets[row, : len(p) - 1] = PAD  # predicting the prompt is not the task
-        return LMBatch(inputs, targets, real[:, :-1])
+        batch = LMBatch(inputs, targets, real[:, :-1])
+        return batch if device is None else batch.to(device)
 
 
 class MissingDigitTask(_Task):
@@ -347,14 +356,16 @@ class MissingDigitTask(_Task):
         return math.factorial(self._require_length(length))
 
     def collate(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
-                pad_to: int = 0) -> MLMBatch:
-        """(inputs, targets) pairs of equal lengths -> a padded `MLMBatch`; an empty list
-        raises."""
+                pad_to: int = 0, device: str | torch.device | None = None) -> MLMBatch:
+        """(inputs, targets) pairs of equal lengths -> a padded `MLMBatch` on ``device``
+        (None: the CPU); an empty list raises."""
         _require_pairs(examples)
+        device = None if device is None else resolve_device(device)
         for i, (x, y) in enumerate(examples):
             if len(x) != len(y):
                 raise ValueError(f"examples[{i}] has {len(x)} inputs but {len(y)} targets; "
                                  "they must be equally long")
         inputs, mask = pad_sequences([x for x, _ in examples], pad_to=pad_to)
         targets, _ = pad_sequences([y for _, y in examples], max_len=inputs.shape[1])
-        return MLMBatch(inputs, targets, mask)
+        batch = MLMBatch(inputs, targets, mask)
+        return batch if device is None else batch.to(device)

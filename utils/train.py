@@ -2,9 +2,11 @@
 
 The loop is deliberately plain: Adam, a learning rate that warms up linearly and then decays
 linearly to zero, gradient clipping, and a report of the mean training loss at fixed steps. Given
-the same seed, model initialisation and batches, it takes the same steps. The original paper's
-schedule, linear warm-up then inverse-square-root decay, is `transformer_lr` (and, for an
-optimizer, `transformer_lr_scheduler`).
+the same seed, model initialisation and batches, it takes the same steps. It runs where the model
+is, or on the ``device`` asked for, in float32 or under autocast (``precision``; see
+`utils.devices`). The original paper's schedule, linear warm-up then inverse-square-root decay,
+is `transformer_lr` (and, for an optimizer, `transformer_lr_scheduler`), kept in
+`utils.schedules` and importable from here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from ._validation import (
     type_name,
 )
 from .data import PAD, _is_sequence
+from .devices import MixedPrecision, require_precision, resolve_device, to_device
+from .schedules import transformer_lr, transformer_lr_scheduler, warmup_linear_decay
 
 __all__ = [
     "History",
@@ -60,12 +64,16 @@ class History:
         step_losses: the loss of every update, for a loss curve.
         seconds: wall-clock time of the whole loop (varies from run to run: never print it in a
             cell whose output must be stable).
+        skipped_steps: with ``precision="fp16"``, the steps (1-based) whose update the gradient
+            scaler skipped because a gradient overflowed at the scale of that step (their loss
+            is recorded all the same); empty in float32 and bfloat16.
     """
 
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    skipped_steps: list[int] = field(default_factory=list)
 
     def mean_loss(self, first: int, last: int) -> float:
         """The mean training loss of updates ``first`` to ``last`` (1-based, both included).
@@ -86,89 +94,6 @@ class History:
         return sum(window) / len(window)
 
 
-def warmup_linear_decay(step: int, warmup: int, total: int) -> float:
-    """The learning-rate multiplier at ``step`` (0-based).
-
-    Rises linearly from 1 / warmup to 1 over the first ``warmup`` steps, then falls linearly to
-    0 at ``total``. Warm-up keeps Adam's first, badly estimated updates small; the decay lets the
-    last steps settle.
-
-    Args:
-        step: an int >= 0; from ``total`` on the multiplier is 0.
-        warmup: an int from 0 (no warm-up) to ``total``.
-        total: a positive int.
-    """
-    step = require_int("step", step, minimum=0)
-    warmup = require_int("warmup", warmup, minimum=0)
-    total = require_int("total", total)
-    if warmup > total:
-        raise ValueError(f"need 0 <= warmup <= total and total > 0, got warmup={warmup}, "
-                         f"total={total}")
-    if step < warmup:
-        return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def transformer_lr(step: int, d_model: int, warmup_steps: int = 4000) -> float:
-    """The learning rate of the original Transformer at ``step`` (Vaswani et al., 2017, 5.3).
-
-        lrate = d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
-
-    It grows linearly for the first ``warmup_steps`` steps, then decays as the inverse square
-    root of the step. The two branches meet at ``step == warmup_steps``, the peak, where the
-    rate is ``(d_model * warmup_steps) ** -0.5``. The paper uses ``warmup_steps = 4000`` with
-    Adam (beta1 = 0.9, beta2 = 0.98, eps = 1e-9); for its base model, d_model = 512, the peak
-    is about 7.0e-4.
-
-    Args:
-        step: the 1-based number of the update, an int >= 1 (the formula divides by its
-            square root, so step 0 has no rate).
-        d_model: the model width, a positive int.
-        warmup_steps: the length of the warm-up, a positive int.
-
-    Returns:
-        The learning rate, a float > 0.
-
-    Raises:
-        ValueError: for a ``step``, ``d_model`` or ``warmup_steps`` below 1;
-            `InputTypeError` for one that is not an int.
-    """
-    step = require_int("step", step)
-    d_model = require_int("d_model", d_model)
-    warmup_steps = require_int("warmup_steps", warmup_steps)
-    return d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
-
-
-def transformer_lr_scheduler(optimizer: torch.optim.Optimizer, d_model: int,
-                             warmup_steps: int = 4000, factor: float = 1.0,
-                             ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A `LambdaLR` that gives ``optimizer`` the rate of `transformer_lr`, times ``factor``.
-
-    `LambdaLR` multiplies each parameter group's initial ``lr`` by the function's value, so
-    create the optimizer with ``lr=1.0`` to get the paper's rates exactly (with another ``lr``
-    every rate is scaled by it). `LambdaLR` counts from 0 and the paper from 1: the k-th call of
-    ``scheduler.step()`` (k = 0 before any) sets the rate of update k + 1,
-    ``factor * transformer_lr(k + 1, d_model, warmup_steps)``.
-
-    Args:
-        optimizer: a `torch.optim.Optimizer`.
-        d_model, warmup_steps: as in `transformer_lr`.
-        factor: a finite number > 0 that scales every rate.
-
-    Raises:
-        ValueError: for a ``d_model`` or ``warmup_steps`` below 1 or a ``factor`` <= 0;
-            `InputTypeError` for an ``optimizer`` that is not one.
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputTypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                             f"{type_name(optimizer)}")
-    d_model = require_int("d_model", d_model)
-    warmup_steps = require_int("warmup_steps", warmup_steps)
-    factor = require_real("factor", factor, low=0.0, low_open=True)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: factor * transformer_lr(s + 1, d_model, warmup_steps))
-
-
 def train(
     model: nn.Module,
     batches: Iterable,
@@ -181,6 +106,8 @@ def train(
     clip: float | None = 1.0,
     decimals: int = 2,
     print_fn: Callable[[str], None] | None = print,
+    device: str | torch.device | None = None,
+    precision: str = "fp32",
 ) -> History:
     """Train ``model`` for ``steps`` updates of Adam and report the loss at fixed steps.
 
@@ -205,9 +132,20 @@ def train(
             are checked passes ``print_fn=None`` and prints comparisons with a wide margin
             instead (`History.mean_loss`).
         print_fn: where reports go (a callable); None to stay silent.
+        device: where to train (a str such as ``"cuda"`` or a `torch.device`; see
+            `utils.device`): the model is moved there (in place, by ``model.to``, and it stays
+            there) and so is every batch (`utils.devices.to_device`: a tensor, a batch of
+            `utils.data`, or tuples, lists and dicts of them). None (the default) moves
+            nothing: the model trains where it is, on batches as they come.
+        precision: ``"fp32"`` (the default: plain float32, no autocast at all), ``"bf16"`` or
+            ``"fp16"``: the forward pass and the loss run under ``torch.autocast`` in that
+            dtype, the parameters and the optimizer stay float32, and for float16 a gradient
+            scaler multiplies the loss before the backward pass (the gradients are unscaled
+            before clipping; `utils.devices.MixedPrecision`). A step the scaler skips does
+            not advance the learning-rate schedule.
 
     Returns:
-        A `History`.
+        A `History` (with ``precision="fp16"``, the steps the scaler skipped).
 
     Raises:
         ValueError or InputTypeError: for a bad argument, before the first step. Once training
@@ -240,10 +178,15 @@ def train(
     if clip is not None:
         clip = require_real("clip", clip, low=0.0, low_open=True)
     decimals = require_int("decimals", decimals, minimum=0)
+    precision = require_precision(precision)
+    device = None if device is None else resolve_device(device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"model has no parameter with requires_grad=True to train "
                          f"({type(model).__name__})")
+    if device is not None:
+        model.to(device)
+    amp = None if precision == "fp32" else MixedPrecision(precision, params[0].device.type)
     torch.manual_seed(seed)
     # foreach: each update is a few calls over all the parameters at once instead of a few
     # calls per parameter; the same arithmetic in the same order, so the same weights to the
@@ -260,17 +203,28 @@ def train(
     with eval_mode(model, enabled=False), torch.enable_grad():
         model.train()
         for step, batch in enumerate(islice(batches, steps), start=1):
-            loss = loss_fn(model, batch)
+            if device is not None:
+                batch = to_device(batch, device)
+            if amp is None:
+                loss = loss_fn(model, batch)
+            else:
+                with amp.autocast():
+                    loss = loss_fn(model, batch)
             _check_loss(loss)
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"the loss became {value} at step {step}")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if clip is not None:
-                nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            sched.step()
+            if amp is None:
+                loss.backward()
+                if clip is not None:
+                    nn.utils.clip_grad_norm_(params, clip)
+                opt.step()
+                sched.step()
+            elif amp.step(loss, opt, params, clip):
+                sched.step()
+            else:  # the scaler skipped the update; the schedule counts the updates made
+                history.skipped_steps.append(step)
             history.step_losses.append(value)
             window.append(value)
             count = step
@@ -323,7 +277,8 @@ def train_side_by_side(
 
     Args:
         runs: a sequence of ``(model, batches)`` pairs; no two models may share a parameter.
-        loss_fn, steps, **kwargs: as in `train` (the same for every run).
+        loss_fn, steps, **kwargs: as in `train` (the same for every run), ``device`` and
+            ``precision`` included.
         workers: how many runs train at once, a positive int (1: one after the other).
 
     Returns:
