@@ -134,6 +134,30 @@ def test_choose_device_gives_each_process_a_gpu_or_falls_back_to_the_cpu(
     assert (got[2] is None) if note is None else (note in got[2] and "CPU" in got[2])
 
 
+@pytest.mark.parametrize("cuda_count", [0, 1, 2, 4])
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_choose_device_on_every_machine_size(processes, cuda_count):
+    """Every rank of ``processes`` on a machine with ``cuda_count`` GPUs: its own GPU and NCCL
+    when there is one for each, else all on the CPU with gloo, said in one line (with GPUs)."""
+    choose = _script().choose_device
+    got = [choose(rank, processes, cuda_count, None) for rank in range(processes)]
+    if cuda_count >= processes:
+        assert got == [(f"cuda:{rank}", "nccl", None) for rank in range(processes)]
+        return
+    assert all(device == "cpu" and backend == "gloo" for device, backend, _ in got), got
+    notes = {note for _, _, note in got}
+    if cuda_count == 0:
+        assert notes == {None}
+    else:
+        (note,) = notes
+        assert (
+            note.startswith(f"{processes} processes but {cuda_count} GPU(s)") and "\n" not in note
+        )
+        assert "on the CPU with gloo" in note
+        with pytest.raises(ValueError, match="needs one GPU per process"):
+            choose(0, processes, cuda_count, "nccl")
+
+
 @pytest.mark.parametrize(("local_world_size", "cuda_count"), [(2, 1), (1, 0)])
 def test_choose_device_refuses_nccl_without_a_gpu_per_process(local_world_size, cuda_count):
     with pytest.raises(ValueError, match="--backend nccl needs one GPU per process"):

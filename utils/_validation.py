@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import math
 import numbers
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -179,6 +180,31 @@ def require_bool_mask(name: str, mask: torch.Tensor) -> None:
         )
 
 
+_TRUST = threading.local()
+
+
+@contextlib.contextmanager
+def values_trusted() -> Iterator[None]:
+    """Inside this block the models skip the checks that read values back from the device (the
+    range of token ids and positions), and check only shapes, dtypes and devices.
+
+    For a caller that made the values itself and knows they are in range: a decoding loop feeds
+    the tokens it picked and the positions it counted, and reading their range each step would
+    make the host wait for the device (a GPU) at every step. Per thread; nests.
+    """
+    before = getattr(_TRUST, "on", False)
+    _TRUST.on = True
+    try:
+        yield
+    finally:
+        _TRUST.on = before
+
+
+def values_are_trusted() -> bool:
+    """Whether the calling thread is inside `values_trusted`."""
+    return getattr(_TRUST, "on", False)
+
+
 def value_range(t: torch.Tensor) -> tuple[int, int]:
     """The smallest and the largest value of a non-empty integer tensor, in one pass."""
     low, high = torch.aminmax(t)
@@ -186,13 +212,14 @@ def value_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def require_integer_ids(name: str, t: torch.Tensor, *, vocab_size: int | None = None) -> None:
-    """Raise unless ``t`` holds integer token ids, each in [0, vocab_size) when that is given."""
+    """Raise unless ``t`` holds integer token ids, each in [0, vocab_size) when that is given
+    (the range is not read inside `values_trusted`)."""
     if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
         raise InputTypeError(
             f"{name} must hold integer token ids (torch.long), got dtype {t.dtype} with shape "
             f"{shape_str(t)}"
         )
-    if vocab_size is not None and t.numel() > 0:
+    if vocab_size is not None and t.numel() > 0 and not values_are_trusted():
         low, high = value_range(t)
         if low < 0 or high >= vocab_size:
             raise ValueError(

@@ -275,6 +275,12 @@ class CheckpointLM(nn.Module):
         self.vocab_size, self.max_len, self.d_model = embed.vocab_size, embed.max_len, embed.d_model
         self.num_layers = len(blocks)
 
+    def tie_weights(self) -> None:
+        """Make the output projection share the token table again (when tied): a loader that
+        replaces ``embed.tokens.weight`` by a new parameter calls this afterwards."""
+        if self.tie_output:
+            self.head.weight = self.embed.tokens.weight
+
     def new_cache(self) -> DecoderCache:
         """An empty key/value cache (one per block) holding up to ``max_len`` positions."""
         return DecoderCache.for_stack(self.num_layers, max_len=self.max_len)

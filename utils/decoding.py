@@ -33,6 +33,18 @@ Models are used through these calls:
 A model that has a ``max_len`` attribute (the models of `utils.models` do) is asked for no more
 positions than that: a request that would outgrow it raises before the first step.
 
+On a GPU the host queues work and goes on; reading a value back (``int(t)``, ``bool(t)``,
+``t.tolist()``) makes it wait until the device has done everything queued. So a loop that reads
+"are all rows finished?" and "were the logits sound?" at every step keeps the GPU idle while
+the next step is queued. ``check_every=k`` reads both only every k steps
+(`utils.decoding_steps.Watch`): each step leaves its answers on the device, and the read of the
+k-th step takes them in order, so that errors and the end of the loop come out as with k = 1;
+the tokens and the random generator are the same for any k, at the price of up to k - 1 steps
+computed and thrown away. The tokens and positions the loop makes itself are fed to the model
+without its range checks (which would read them back); the prompts are checked as always. The
+default reads every step on the CPU, where a read waits for nothing, and every
+`utils.decoding_steps.CHECK_EVERY` steps elsewhere.
+
 Every function checks its arguments before any work and raises `ValueError`, or
 `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. The model
 is run in evaluation mode under ``torch.inference_mode()`` (no autograd, less bookkeeping per
@@ -45,7 +57,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import math
 from collections.abc import Sequence
 
 import torch
@@ -67,6 +78,7 @@ from ._validation import (
     type_name,
 )
 from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
+from .decoding_steps import Watch, check_every_for, checked_pick
 from .kv_cache import DecoderCache
 
 __all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
@@ -148,23 +160,13 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
     if logits.shape[1] == 0:
         raise ValueError(f"logits must score at least one token (V >= 1), got "
                          f"{shape_str(logits)}")
-    # The usual case passes with one sum, finite exactly when every score is (or when finite
-    # scores overflow it, which the checks below then let through).
-    if not bool(torch.isfinite(logits.sum())):
-        if torch.isnan(logits).any() or (logits == math.inf).any():
-            raise ValueError("logits must not contain NaN or +inf")
-        if not torch.isfinite(logits).any(dim=-1).all():
-            raise ValueError("every row of logits needs at least one finite score, got a row "
-                             "that is all -inf")
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return checked_pick(logits, temperature, generator)
 
 
 def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, max_len: int,
                   temperature: float = 1.0, generator: torch.Generator | None = None,
-                  bos: int = BOS, eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
+                  bos: int = BOS, eos: int = EOS, use_cache: bool = True,
+                  check_every: int | None = None) -> list[list[int]]:
     """Decode a batch with an encoder-decoder model, one token at a time.
 
     Args:
@@ -180,6 +182,9 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
         use_cache: keep the decoder's keys and values (and the memory's, for cross-attention)
             and feed only the newest token each step (see the module docstring); False
             recomputes the whole prefix each step. Both give the same tokens.
+        check_every: read back from the device whether the logits were sound and which rows
+            are finished only every this many steps (`Watch`); None: every step on the CPU,
+            every `CHECK_EVERY` steps elsewhere. The same tokens for any value.
 
     Returns:
         B lists of ids: each output up to, not including, its ``<eos>`` (or ``max_len`` tokens
@@ -200,33 +205,38 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
     bos = require_int("bos", bos, minimum=0)
     eos = require_int("eos", eos, minimum=0)
     _check_room(model, max_len, f"max_len={max_len}")
+    watch = Watch(check_every_for(check_every, src.device), src.device, temperature, generator)
     cache = _cache_for(model, use_cache, max_len)
     b = src.shape[0]
     with eval_mode(model), torch.inference_mode():
         memory = model.encode(src, src_mask)
         tgt = torch.full((b, 1), bos, dtype=torch.long, device=src.device)
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
-        for _ in range(max_len):
-            if cache is None:
-                out = model.decode(tgt, memory, src_mask)
-            else:  # only the newest token; the cache holds the keys and values of the others
-                out = model.decode(tgt[:, -1:], memory, src_mask, cache=cache)
+        for step in range(max_len):
+            with watch.feeding():
+                if cache is None:
+                    out = model.decode(tgt, memory, src_mask)
+                else:  # only the newest token; the cache holds the others' keys and values
+                    out = model.decode(tgt[:, -1:], memory, src_mask, cache=cache)
             logits = _last_logits(out, b, -1)
-            tok = next_token(logits, temperature, generator)
+            if step == 0:
+                watch.trust(model, logits)
+            tok = watch.pick(logits, temperature, generator)
             tok = torch.where(done, torch.full_like(tok, PAD), tok)
             tgt = torch.cat([tgt, tok[:, None]], dim=1)
             done |= tok == eos
-            if done.all():
+            if watch.finished(done, step == max_len - 1):
                 break
     return [_cut(row[1:].tolist(), eos) for row in tgt]
 
 
 def greedy_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, max_len: int,
-                  bos: int = BOS, eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
+                  bos: int = BOS, eos: int = EOS, use_cache: bool = True,
+                  check_every: int | None = None) -> list[list[int]]:
     """`sample_decode` with temperature 0: the most likely token at every step (with the
     key/value cache unless ``use_cache=False``; the tokens are the same)."""
     return sample_decode(model, src, src_mask, max_len, temperature=0.0, bos=bos, eos=eos,
-                         use_cache=use_cache)
+                         use_cache=use_cache, check_every=check_every)
 
 
 def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -253,7 +263,8 @@ def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, generator: torch.Generator | None = None,
-             eos: int = EOS, use_cache: bool = True) -> list[list[int]]:
+             eos: int = EOS, use_cache: bool = True,
+             check_every: int | None = None) -> list[list[int]]:
     """Continue each prompt with a decoder-only model until ``<eos>`` or ``max_new_tokens``.
 
     Prompts of different lengths share one right-padded batch. Row b's next token is read at its
@@ -264,8 +275,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     the cache; every later step feeds each row's newest token at its own position
     ``length_b - 1``, and its key and value take the next cache slot. A shorter prompt leaves
     cache slots of padding between its prompt and its new tokens: a key mask hides them. The
-    rows finished by ``<eos>`` keep being fed but hidden, so that the random draws of sampling
-    are those of the recomputing path, and the tokens the same.
+    rows finished by ``<eos>`` keep being fed (hidden by the key mask once the loop has read
+    that they are finished: their own logits are never used), so that the batch keeps its
+    shape, the random draws of sampling are those of the recomputing path, and the tokens the
+    same.
 
     Args:
         model: an ``nn.Module``, ``model(tokens)`` -> (B, L, V) logits, causal.
@@ -280,6 +293,11 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
         use_cache: keep every layer's keys and values and feed only the new tokens (see the
             module docstring); False recomputes the whole prefix each step. Both give the
             same tokens.
+        check_every: read back from the device whether the logits were sound and which rows
+            are finished only every this many steps (`Watch`): with the cache, a step then
+            makes the host wait for nothing. None: every step on the CPU, every `CHECK_EVERY`
+            steps elsewhere. The same tokens for any value. (Without the cache, each step also
+            reads the longest row's length, the width of the prefix to recompute.)
 
     Returns:
         B lists of the new ids, up to, not including, ``<eos>``. An empty list of prompts
@@ -306,38 +324,42 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                                            device=device)], dim=1)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     ragged = not bool(real.all())
-    finished = 0  # rows done, a Python int: read once per step
+    watch = Watch(check_every_for(check_every, device), device, temperature, generator)
     cache = _cache_for(model, use_cache, needed)
     with eval_mode(model), torch.inference_mode():
         for step in range(max_new_tokens):
-            if cache is None:
-                width = int(lengths.max())
-                # (B, V) at each row's last token
-                logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
-            elif step == 0:  # the padded prompts, once: slot t of the cache is position t
-                width = tokens.shape[1] - max_new_tokens
-                keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
-                if _takes_logits_at(model):  # the output layer at the last tokens alone
-                    logits = _last_logits(model(tokens[:, :width], keys, cache=cache,
-                                                logits_at=(lengths - 1)[:, None]), b, 0)
-                else:
-                    logits = _last_logits(model(tokens[:, :width], keys, cache=cache), b,
-                                          lengths - 1)
-            else:  # each row's newest token, at its own position, into the next slot
-                pos = (lengths - 1)[:, None]  # (B, 1)
-                keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden
-                # an all-True mask changes nothing: leave it out (less work per step)
-                mask = keys if ragged or finished else None
-                logits = _last_logits(model(tokens.gather(1, pos), mask, cache=cache,
-                                            positions=pos), b, 0)
-            tok = next_token(logits, temperature, generator)
+            with watch.feeding():
+                if cache is None:
+                    width = int(lengths.max())
+                    # (B, V) at each row's last token
+                    logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
+                elif step == 0:  # the padded prompts, once: slot t of the cache is position t
+                    width = tokens.shape[1] - max_new_tokens
+                    keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
+                    if _takes_logits_at(model):  # the output layer at the last tokens alone
+                        logits = _last_logits(model(tokens[:, :width], keys, cache=cache,
+                                                    logits_at=(lengths - 1)[:, None]), b, 0)
+                    else:
+                        logits = _last_logits(model(tokens[:, :width], keys, cache=cache), b,
+                                              lengths - 1)
+                else:  # each row's newest token, at its own position, into the next slot
+                    pos = (lengths - 1)[:, None]  # (B, 1)
+                    keys = torch.cat([keys, ~done[:, None]], dim=1)  # finished rows: hidden
+                    # an all-True mask changes nothing: leave it out (less work per step); a
+                    # row finished since the last read is not hidden yet, which changes only
+                    # its own logits, never used
+                    mask = keys if ragged or watch.any_done else None
+                    logits = _last_logits(model(tokens.gather(1, pos), mask, cache=cache,
+                                                positions=pos), b, 0)
+            if step == 0:
+                watch.trust(model, logits)
+            tok = watch.pick(logits, temperature, generator)
             # Each live row's token goes to its own next slot; a finished row's next slot stays
             # padding (it is past the row's end, and never read).
             tokens.scatter_(1, lengths[:, None], torch.where(done, PAD, tok)[:, None])
             lengths = lengths + ~done
             done |= tok == eos
-            finished = int(done.sum())
-            if finished == b:
+            if watch.finished(done, step == max_new_tokens - 1):
                 break
     start = real.sum(dim=1)
     return [_cut(tokens[i, start[i]: lengths[i]].tolist(), eos) for i in range(b)]

@@ -37,6 +37,7 @@ from ._validation import (
     require_tensor,
     shape_str,
     value_range,
+    values_are_trusted,
 )
 from .kv_cache import DecoderCache
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
@@ -60,6 +61,8 @@ def _check_tokens(name: str, tokens: object, embed: InputEmbedding) -> torch.Ten
                              f"them to one device ({name}.to('{device}'))")
     if tokens.shape[1] > embed.max_len:
         raise ValueError(f"{name} {shape_str(tokens)} is longer than max_len={embed.max_len}")
+    if values_are_trusted():  # a decoding loop's own tokens: no wait for the device
+        return tokens
     low, high = value_range(tokens) if tokens.numel() else (0, 0)
     if low < 0 or high >= embed.vocab_size:
         raise ValueError(f"{name} ids must lie in [0, {embed.vocab_size}), got ids from "
@@ -129,6 +132,8 @@ def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> t
 
 def _require_below(name: str, ids: torch.Tensor, limit: int, bound: str) -> None:
     """Every value of ``ids`` in [0, limit); ``bound`` names the limit in the message."""
+    if values_are_trusted():  # a decoding loop's own positions: no wait for the device
+        return
     low, high = value_range(ids) if ids.numel() else (0, 0)
     if low < 0 or high >= limit:
         raise ValueError(f"{name} must lie in [0, {bound}={limit}), got {name} from {low} to "

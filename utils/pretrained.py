@@ -8,6 +8,14 @@ model needs, each of the right shape. Nothing is loaded partly: an unknown key, 
 a wrong shape or a config option the book's model does not implement raises a `ValueError`
 that names it, before any tensor is copied.
 
+``device=`` and ``dtype=`` say where the model is made and in what precision. The model is built
+on PyTorch's ``meta`` device (shapes, no memory), then every parameter is made directly on the
+device and in the dtype asked, from the stored tensors read one at a time
+(`utils.checkpoint_io`): a GPU or bfloat16 model never exists first as a float32 copy on the CPU,
+and ``device="meta"`` reads no tensor data at all (for counting parameters, or checking a
+checkpoint's keys and shapes). The numbers are those of copying the stored tensors into a model
+of that dtype: in float32 on the CPU, the very bits of the stored tensors.
+
 What has to be translated:
 
 * GPT-2 stores its projections as ``Conv1D`` weights, (d_in, d_out), the transpose of
@@ -23,17 +31,15 @@ Nothing here touches the network: the directory must already be on disk.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from ._validation import require_choice, require_dtype, shape_str
+from ._validation import require_choice, require_device, require_dtype
 from .attention import MultiHeadAttention
+from .checkpoint_io import Slots, StoredTensors, fill, param_writer, read_checkpoint, set_param
 from .checkpoint_models import (
     CheckpointLM,
     GELUFeedForward,
@@ -48,32 +54,6 @@ __all__ = ["read_checkpoint", "load_gpt2", "load_llama", "GPT2_ACTIVATIONS"]
 
 # GPT-2's activation_function -> the approximate= of torch's GELU.
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-# A copy of one stored tensor: its expected shape and what writes it into the model.
-Slots = dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor], None]]]
-
-
-def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(config, tensors)`` of a Hugging Face directory: config.json and model.safetensors.
-
-    Raises:
-        FileNotFoundError: if the directory or one of the two files is missing.
-        ValueError: for a sharded checkpoint (model.safetensors.index.json), which is not read.
-    """
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in {directory}")
-    if not weights_path.is_file():
-        if (directory / "model.safetensors.index.json").is_file():
-            raise ValueError(
-                f"{directory} holds a sharded checkpoint "
-                "(model.safetensors.index.json); only one model.safetensors is read"
-            )
-        raise FileNotFoundError(f"no model.safetensors in {directory}")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    return config, load_file(str(weights_path))
 
 
 def _field(config: dict, name: str, default: object = None, required: bool = False) -> object:
@@ -109,77 +89,24 @@ def _require_model_type(config: dict, expected: str) -> None:
         raise ValueError(f"config.json has model_type={found!r}; expected {expected!r}")
 
 
-def _copy_to(
-    param: torch.Tensor,
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> Callable[[torch.Tensor], None]:
-    """A writer that copies ``transform(stored)`` (the stored tensor itself by default)."""
-
-    def write(stored: torch.Tensor) -> None:
-        param.copy_(stored if transform is None else transform(stored))
-
-    return write
-
-
 def _linear_slots(prefix: str, linear: nn.Linear, conv1d: bool = False) -> Slots:
     """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out)."""
     out_f, in_f = linear.weight.shape
     slots: Slots = {}
     if conv1d:
-        slots[f"{prefix}.weight"] = ((in_f, out_f), _copy_to(linear.weight, lambda t: t.T))
+        slots[f"{prefix}.weight"] = ((in_f, out_f), param_writer(linear, "weight", lambda t: t.T))
     else:
-        slots[f"{prefix}.weight"] = ((out_f, in_f), _copy_to(linear.weight))
+        slots[f"{prefix}.weight"] = ((out_f, in_f), param_writer(linear, "weight"))
     if linear.bias is not None:
-        slots[f"{prefix}.bias"] = ((out_f,), _copy_to(linear.bias))
+        slots[f"{prefix}.bias"] = ((out_f,), param_writer(linear, "bias"))
     return slots
 
 
 def _norm_slots(prefix: str, norm: LayerNorm | RMSNorm) -> Slots:
-    slots: Slots = {f"{prefix}.weight": ((norm.d_model,), _copy_to(norm.weight))}
+    slots: Slots = {f"{prefix}.weight": ((norm.d_model,), param_writer(norm, "weight"))}
     if getattr(norm, "bias", None) is not None:
-        slots[f"{prefix}.bias"] = ((norm.d_model,), _copy_to(norm.bias))
+        slots[f"{prefix}.bias"] = ((norm.d_model,), param_writer(norm, "bias"))
     return slots
-
-
-def _check_keys(tensors: dict[str, torch.Tensor], slots: Slots, where: str) -> None:
-    """Every stored key must have a slot, every slot a key, every shape must match."""
-    unknown = sorted(set(tensors) - set(slots))
-    if unknown:
-        raise ValueError(
-            f"{where} holds {len(unknown)} unknown key(s) the model has no place for: {unknown[:5]}"
-        )
-    missing = sorted(set(slots) - set(tensors))
-    if missing:
-        raise ValueError(f"{where} lacks {len(missing)} key(s) the model needs: {missing[:5]}")
-    for key, (shape, _) in slots.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(
-                f"{where}: {key} has shape {shape_str(tensors[key])}, expected {shape_str(shape)}"
-            )
-
-
-def _fill(
-    model: CheckpointLM, tensors: dict[str, torch.Tensor], slots: Slots, where: str
-) -> CheckpointLM:
-    """Check every key and shape, then copy every tensor; the model is returned in eval mode."""
-    _check_keys(tensors, slots, where)
-    with torch.no_grad():
-        for key, (_, write) in slots.items():
-            write(tensors[key])
-    return model.eval()
-
-
-def _tied_head(tensors: dict[str, torch.Tensor], key: str, table: str, where: str) -> None:
-    """A tied model takes a stored output weight only if it is the token table itself."""
-    if key in tensors and table in tensors:
-        if tensors[key].shape != tensors[table].shape or not torch.equal(
-            tensors[key], tensors[table]
-        ):
-            raise ValueError(
-                f"{where}: {key} differs from {table}, but the config ties the "
-                "output projection to the token embeddings (tie_word_embeddings)"
-            )
-        del tensors[key]
 
 
 # ----------------------------------------------------------------------------------- GPT-2
@@ -225,23 +152,26 @@ def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
     d = attn.d_model
     parts = (attn.w_q, attn.w_k, attn.w_v)
 
-    def weight(stored: torch.Tensor) -> None:
+    def weight(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         for i, lin in enumerate(parts):
-            lin.weight.copy_(stored[:, i * d : (i + 1) * d].T)
+            set_param(lin, "weight", stored[:, i * d : (i + 1) * d].T, device, dtype)
 
-    def bias(stored: torch.Tensor) -> None:
+    def bias(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         for i, lin in enumerate(parts):
-            lin.bias.copy_(stored[i * d : (i + 1) * d])
+            set_param(lin, "bias", stored[i * d : (i + 1) * d], device, dtype)
 
     return {f"{prefix}.weight": ((d, 3 * d), weight), f"{prefix}.bias": ((3 * d,), bias)}
 
 
 def _gpt2_slots(model: CheckpointLM) -> Slots:
     slots: Slots = {
-        "transformer.wte.weight": (tuple(model.embed.weight.shape), _copy_to(model.embed.weight)),
+        "transformer.wte.weight": (
+            tuple(model.embed.weight.shape),
+            param_writer(model.embed.tokens, "weight"),
+        ),
         "transformer.wpe.weight": (
             tuple(model.embed.positions.weight.shape),
-            _copy_to(model.embed.positions.weight),
+            param_writer(model.embed.positions, "weight"),
         ),
         **_norm_slots("transformer.ln_f", model.norm),
     }
@@ -260,20 +190,29 @@ def _gpt2_slots(model: CheckpointLM) -> Slots:
 _GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 
-def _gpt2_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The keys as `transformers` writes them today: the original GPT-2 files name them
+def _gpt2_names(stored: StoredTensors) -> None:
+    """Address the keys as `transformers` writes them today: the original GPT-2 files name them
     without the ``transformer.`` prefix and also store each layer's causal-mask buffers
     (``h.N.attn.bias``, ``h.N.attn.masked_bias``), which hold no weights and are dropped."""
-    if any(k.startswith("transformer.") for k in tensors):
-        return dict(tensors)
-    return {
-        ("transformer." + k if k != "lm_head.weight" else k): v
-        for k, v in tensors.items()
-        if not _GPT2_BUFFER.fullmatch(k)
-    }
+    if any(k.startswith("transformer.") for k in stored.shapes):
+        return
+    for key in [k for k in stored.shapes if _GPT2_BUFFER.fullmatch(k)]:
+        stored.drop(key)
+    stored.rename({k: "transformer." + k for k in stored.shapes if k != "lm_head.weight"})
 
 
-def load_gpt2(directory: str | Path, dtype: torch.dtype = torch.float32) -> CheckpointLM:
+def _where(dtype: object, device: object) -> tuple[torch.dtype, torch.device]:
+    """The loaders' ``dtype`` (floating) and ``device`` (None: the CPU), checked."""
+    dtype = require_dtype("dtype", dtype, floating=True)
+    device = require_device("device", device)
+    return dtype, torch.device("cpu") if device is None else device
+
+
+def load_gpt2(
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> CheckpointLM:
     """A GPT-2 checkpoint (``GPT2LMHeadModel``'s files) as a `CheckpointLM` of the book's parts.
 
     Learned positions, pre-LN blocks of `MultiHeadAttention` (with biases) and a GELU
@@ -283,6 +222,9 @@ def load_gpt2(directory: str | Path, dtype: torch.dtype = torch.float32) -> Chec
     Args:
         directory: the folder with config.json and model.safetensors.
         dtype: the floating dtype of the returned model (the stored tensors are cast to it).
+        device: where the model is made, e.g. "cuda" or "meta" (shapes only, nothing read);
+            None: the CPU. The model is built on ``meta`` and each parameter made where
+            asked, from one stored tensor at a time: no float32 copy of it on the CPU first.
 
     Returns:
         The model, in eval mode: tokens (B, L) -> logits (B, L, V); ``generate`` runs it.
@@ -291,16 +233,21 @@ def load_gpt2(directory: str | Path, dtype: torch.dtype = torch.float32) -> Chec
         FileNotFoundError: for a missing folder or file.
         ValueError: for an unsupported config (another model_type, an unknown activation,
             cross-attention, unscaled or layer-scaled attention), or a checkpoint with an
-            unknown key, a missing key or a tensor of the wrong shape, each named.
+            unknown key, a missing key or a tensor of the wrong shape, each named; for a
+            ``dtype`` that is not floating or a ``device`` that names no device.
+        InputTypeError: for a ``dtype`` or ``device`` of the wrong type.
     """
-    config, tensors = read_checkpoint(directory)
-    dtype = require_dtype("dtype", dtype, floating=True)
-    settings = _gpt2_settings(config)
-    tensors = _gpt2_names(tensors)
-    if settings["tied"]:
-        _tied_head(tensors, "lm_head.weight", "transformer.wte.weight", str(directory))
-    model = _gpt2_model(settings).to(dtype)
-    return _fill(model, tensors, _gpt2_slots(model), str(directory))
+    where = str(directory)
+    with StoredTensors(directory) as stored:  # the files exist: now the arguments
+        dtype, device = _where(dtype, device)
+        stored.meta = device.type == "meta"
+        settings = _gpt2_settings(stored.config)
+        _gpt2_names(stored)
+        if settings["tied"]:
+            stored.tied_head("lm_head.weight", "transformer.wte.weight", where)
+        with torch.device("meta"):  # shapes only: no memory, no random initialization
+            model = _gpt2_model(settings)
+        return fill(model, stored, _gpt2_slots(model), where, device, dtype)
 
 
 # ----------------------------------------------------------------------------------- Llama
@@ -394,11 +341,14 @@ def _rope_slots(prefix: str, linear: nn.Linear, heads: int, layout: str) -> Slot
     """W_Q or W_K (and bias): as stored for the half layout, rows permuted for interleaved."""
     slots = _linear_slots(prefix, linear)
     if layout == "interleaved":
-        for key, param in ((f"{prefix}.weight", linear.weight), (f"{prefix}.bias", linear.bias)):
+        for name in ("weight", "bias"):
+            key = f"{prefix}.{name}"
             if key in slots:
                 slots[key] = (
                     slots[key][0],
-                    _copy_to(param, lambda t: permute_rope_weight(t, heads, to="interleaved")),
+                    param_writer(
+                        linear, name, lambda t: permute_rope_weight(t, heads, to="interleaved")
+                    ),
                 )
     return slots
 
@@ -407,7 +357,7 @@ def _llama_slots(model: CheckpointLM, layout: str) -> Slots:
     slots: Slots = {
         "model.embed_tokens.weight": (
             tuple(model.embed.weight.shape),
-            _copy_to(model.embed.weight),
+            param_writer(model.embed.tokens, "weight"),
         ),
         **_norm_slots("model.norm", model.norm),
     }
@@ -428,7 +378,10 @@ def _llama_slots(model: CheckpointLM, layout: str) -> Slots:
 
 
 def load_llama(
-    directory: str | Path, dtype: torch.dtype = torch.float32, layout: str = "half"
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "half",
+    device: torch.device | str | None = None,
 ) -> CheckpointLM:
     """A Llama checkpoint (``LlamaForCausalLM``'s files) as a `CheckpointLM` of the book's parts.
 
@@ -442,6 +395,7 @@ def load_llama(
     Args:
         directory: the folder with config.json and model.safetensors.
         dtype: the floating dtype of the returned model.
+        device: where the model is made, as in `load_gpt2`; None: the CPU.
         layout: "half" (RoPE as the checkpoint expects it) or "interleaved" (W_Q and W_K
             permuted by `permute_rope_weight`, pairs (x_2k, x_2k+1) rotated): the same logits.
 
@@ -453,13 +407,16 @@ def load_llama(
         ValueError: for an unsupported config (another model_type, rope scaling, an activation
             other than SiLU, a head_dim other than hidden_size / num_attention_heads,
             pretraining_tp > 1), or a checkpoint with an unknown key, a missing key or a tensor
-            of the wrong shape, each named.
+            of the wrong shape, each named; a bad ``dtype`` or ``device`` as in `load_gpt2`.
     """
     layout = require_choice("layout", layout, ("half", "interleaved"))
-    config, tensors = read_checkpoint(directory)
-    dtype = require_dtype("dtype", dtype, floating=True)
-    settings = _llama_settings(config)
-    if settings["tied"]:
-        _tied_head(tensors, "lm_head.weight", "model.embed_tokens.weight", str(directory))
-    model = _llama_model(settings, layout).to(dtype)
-    return _fill(model, tensors, _llama_slots(model, layout), str(directory))
+    where = str(directory)
+    with StoredTensors(directory) as stored:  # the files exist: now the arguments
+        dtype, device = _where(dtype, device)
+        stored.meta = device.type == "meta"
+        settings = _llama_settings(stored.config)
+        if settings["tied"]:
+            stored.tied_head("lm_head.weight", "model.embed_tokens.weight", where)
+        with torch.device("meta"):  # shapes only: no memory, no random initialization
+            model = _llama_model(settings, layout)
+        return fill(model, stored, _llama_slots(model, layout), where, device, dtype)

@@ -1,0 +1,235 @@
+"""Reading a Hugging Face checkpoint into a model built on the meta device (`utils.pretrained`).
+
+A checkpoint is a directory holding ``config.json`` and ``model.safetensors``. The loaders of
+`utils.pretrained` never build a model on the CPU in float32 to copy it afterwards: they build
+its skeleton on PyTorch's ``meta`` device (shapes and dtypes, no memory, no random
+initialization), check every stored key and shape against it from the file's header alone, then
+give each parameter a new tensor made directly on the device and in the dtype asked, filled from
+the stored tensor, which is read from the file only then, one tensor at a time. On ``meta``
+itself no tensor data is read at all.
+
+Pieces:
+
+* `StoredTensors`: the file's tensors by name, their shapes read from the header, each tensor
+  read only when asked (`StoredTensors.get`), or given as an empty meta tensor;
+* `Slots`: for every stored key the shape the model expects and a writer that assigns the
+  model's parameter(s) from the stored tensor (`param_writer`, `set_param`);
+* `fill`: checks keys and shapes, runs every writer, re-ties tied weights, computes the
+  non-persistent buffers on the device (`materialize_buffers`) and proves nothing is left on
+  ``meta``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ._validation import shape_str
+
+__all__ = [
+    "read_checkpoint",
+    "StoredTensors",
+    "Slots",
+    "set_param",
+    "param_writer",
+    "check_keys",
+    "fill",
+    "materialize_buffers",
+]
+
+# For each stored key: its expected shape, and a writer ``write(stored, device, dtype)`` that
+# assigns the model's parameter(s) from the stored tensor.
+Slots = dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor, torch.device, torch.dtype], None]]]
+
+
+def _paths(directory: str | Path) -> tuple[Path, Path]:
+    """config.json and model.safetensors of ``directory``, each checked to exist."""
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    if not weights_path.is_file():
+        if (directory / "model.safetensors.index.json").is_file():
+            raise ValueError(
+                f"{directory} holds a sharded checkpoint "
+                "(model.safetensors.index.json); only one model.safetensors is read"
+            )
+        raise FileNotFoundError(f"no model.safetensors in {directory}")
+    return config_path, weights_path
+
+
+def _config(config_path: Path) -> dict:
+    with open(config_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of a Hugging Face directory: config.json and model.safetensors,
+    every tensor read into CPU memory at once (the loaders read them one by one instead, with
+    `StoredTensors`).
+
+    Raises:
+        FileNotFoundError: if the directory or one of the two files is missing.
+        ValueError: for a sharded checkpoint (model.safetensors.index.json), which is not read.
+    """
+    with StoredTensors(directory) as stored:
+        return stored.config, {key: stored.get(key) for key in stored.shapes}
+
+
+class StoredTensors:
+    """The tensors of one model.safetensors, by name, read lazily; a context manager.
+
+    Args:
+        directory: the checkpoint's folder (config.json and model.safetensors).
+        meta: True when the model goes to the ``meta`` device: then `get` reads nothing and
+            returns empty meta tensors of the stored shapes (settable after opening).
+
+    Attributes:
+        config: config.json, as a dict.
+        shapes: {key: shape} of every stored tensor, from the file's header (no data read).
+        source: {key: key in the file}; the loaders rename keys here (`rename`), and drop the
+            ones the model has no place for on purpose (`drop`).
+    """
+
+    def __init__(self, directory: str | Path, meta: bool = False):
+        config_path, weights_path = _paths(directory)
+        self.config = _config(config_path)
+        self.meta = meta
+        self._file = safe_open(str(weights_path), framework="pt", device="cpu")
+        self.shapes = {k: tuple(self._file.get_slice(k).get_shape()) for k in self._file.keys()}
+        self.source = {k: k for k in self.shapes}
+
+    def __enter__(self) -> StoredTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.__exit__(*exc)
+
+    def rename(self, names: dict[str, str]) -> None:
+        """Address the stored tensor ``old`` as ``new`` from now on, for each ``old: new``."""
+        self.shapes = {names.get(k, k): s for k, s in self.shapes.items()}
+        self.source = {names.get(k, k): v for k, v in self.source.items()}
+
+    def drop(self, key: str) -> None:
+        """Forget ``key``: it is not loaded (and no longer counts as an unknown key)."""
+        del self.shapes[key], self.source[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        """The stored tensor ``key`` (CPU, as stored), or an empty float32 meta tensor of its
+        shape when the model goes to ``meta``."""
+        if self.meta:
+            return torch.empty(self.shapes[key], device="meta")
+        return self._file.get_tensor(self.source[key])
+
+    def tied_head(self, key: str, table: str, where: str) -> None:
+        """A tied model takes a stored output weight ``key`` only if it equals the token
+        ``table``; then it is dropped. On ``meta`` only the shapes can be compared."""
+        if key not in self.shapes or table not in self.shapes:
+            return
+        same = self.shapes[key] == self.shapes[table]
+        if same and not self.meta:
+            same = torch.equal(self.get(key), self.get(table))
+        if not same:
+            raise ValueError(
+                f"{where}: {key} differs from {table}, but the config ties the "
+                "output projection to the token embeddings (tie_word_embeddings)"
+            )
+        self.drop(key)
+
+
+def set_param(
+    module: nn.Module, name: str, value: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Replace ``module.<name>`` by a new parameter made on ``device`` in ``dtype``, holding
+    ``value`` (converted as ``Tensor.copy_`` converts: the same numbers as copying into a model
+    of that dtype). The new tensor is contiguous whatever ``value``'s strides (a transpose)."""
+    old = module._parameters[name]
+    new = torch.empty(value.shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        new.copy_(value)
+    setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
+
+
+def param_writer(
+    module: nn.Module, name: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[[torch.Tensor, torch.device, torch.dtype], None]:
+    """A writer that sets ``module.<name>`` to ``transform(stored)`` (the stored tensor itself
+    by default)."""
+
+    def write(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        set_param(module, name, stored if transform is None else transform(stored), device, dtype)
+
+    return write
+
+
+def check_keys(shapes: dict[str, tuple[int, ...]], slots: Slots, where: str) -> None:
+    """Every stored key must have a slot, every slot a key, every shape must match."""
+    unknown = sorted(set(shapes) - set(slots))
+    if unknown:
+        raise ValueError(
+            f"{where} holds {len(unknown)} unknown key(s) the model has no place for: {unknown[:5]}"
+        )
+    missing = sorted(set(slots) - set(shapes))
+    if missing:
+        raise ValueError(f"{where} lacks {len(missing)} key(s) the model needs: {missing[:5]}")
+    for key, (shape, _) in slots.items():
+        if shapes[key] != shape:
+            raise ValueError(
+                f"{where}: {key} has shape {shape_str(shapes[key])}, expected {shape_str(shape)}"
+            )
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Compute on ``device`` every buffer that building on ``meta`` left without values.
+
+    A module whose buffers are computed, not stored (rotary tables, causal masks), recomputes
+    them in a method ``init_buffers()``, which is called here under ``torch.device(device)``;
+    a buffer left on ``meta`` by a module without one is an error naming it.
+    """
+    if device.type == "meta":
+        return
+    for name, module in model.named_modules():
+        if not any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        init = getattr(module, "init_buffers", None)
+        if not callable(init):
+            raise RuntimeError(
+                f"{name or type(module).__name__} has a buffer on the meta device and no "
+                "init_buffers() to compute it on the device asked"
+            )
+        with torch.device(device):
+            init()
+
+
+def fill(
+    model: nn.Module,
+    stored: StoredTensors,
+    slots: Slots,
+    where: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """Check every key and shape, then give every parameter its stored tensor on ``device`` in
+    ``dtype``, one stored tensor at a time; returns the model in eval mode.
+
+    ``model`` was built on ``meta``; ties between modules (``model.tie_weights()``, if it has
+    one) are made again after the parameters are replaced, and nothing may be left on ``meta``
+    unless ``device`` is ``meta``.
+    """
+    check_keys(stored.shapes, slots, where)
+    for key, (_, write) in slots.items():
+        write(stored.get(key), device, dtype)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    materialize_buffers(model, device)
+    if device.type != "meta":
+        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if left:
+            raise RuntimeError(f"{where}: no value was loaded for {left[:5]}")
+    return model.eval()
