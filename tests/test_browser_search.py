@@ -52,6 +52,7 @@ KEY_TERMS: list[tuple[str, str]] = [
     ("Llama", "book/14_real_models"),
     ("tokenizer", "book/15_tokens_and_real_text"),
     ("ring attention", "book/16_beyond_one_machine"),
+    ("bfloat16", "book/17_devices_and_precision"),
 ]
 # Words that are no key term (book/_ext/tested_transformer_search.py): the chapter whose
 # headings treat them must still come first or second, not be pushed down by the key terms of

@@ -76,6 +76,9 @@ KEY_TERMS: dict[str, str] = {
     "book/16_beyond_one_machine": (
         "ring attention, data parallelism, tensor parallelism, fsdp, distributed"
     ),
+    "book/17_devices_and_precision": (
+        "bfloat16, float16, mixed precision, autocast, loss scaling, cuda graphs"
+    ),
 }
 
 
