@@ -20,7 +20,9 @@ On each device:
 6. greedy decoding speed, tokens per second, the book's `generate` against `transformers`'.
 
 It writes ``check-devices.json`` and ``check-devices.md`` into ``--out`` (default
-``_build/devices``), and exits with status 1 if any check fails.
+``_build/devices``), and exits with status 1 if any check fails. Chapter 17 shows a GPU's rows
+for the key-less query from the JSON of a run committed as
+``book/data/devices/check-devices-<device>.json``.
 """
 
 from __future__ import annotations
