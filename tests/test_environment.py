@@ -79,7 +79,8 @@ def test_the_environment_holds_exactly_what_requirements_txt_brings():
     assert not extra, (
         f"installed in the tests' environment but not brought by requirements.txt: {extra}; a "
         "reader's `make book` does not have them (nbgrader and its packages belong in "
-        ".venv-grade, requirements-grade.txt)")
+        ".venv-grade, requirements-grade.txt; a .venv made before that split still has them: "
+        "remove .venv and .venv-grade, and `make test` makes both again)")
 
 
 def test_every_installed_version_is_the_pinned_one():
