@@ -1,136 +1,323 @@
-"""Greedy decoding of a GPT-2-shaped checkpoint: the book's parts against `transformers`.
+"""Greedy decoding, timed against the peers a user would pick: rows (d) and (f) of ``make bench``.
 
-Row (f) of ``make bench`` (`scripts/benchmark.py`). A GPT-2 configuration of about 25M
-parameters (d_model 320, 5 heads, 6 layers, GPT-2's vocabulary of 50,257 tokens) is given random
-weights and written by `transformers` itself (``save_pretrained``); `utils.pretrained.load_gpt2`
-reads the same files into the book's modules. Both then continue the same prompts greedily, with
-their key/value caches: the book's `utils.decoding.generate` and ``GPT2LMHeadModel.generate``
-(``do_sample=False``). The tokens must be identical (the run stops with an error otherwise), and
-the figure is new tokens per second, ours and theirs, at batch 1 and batch 8.
+(d) Chapter 10's model (`utils.models.DecoderOnlyLM`, d_model 32, 4 heads, 2 layers): the
+    book's `utils.decoding.generate` against a bare cached loop on the same weights (plain
+    PyTorch calls, no checks, the Q/K/V projection as one product: what the arithmetic costs
+    without a library around it), and against itself without the cache.
+(f) GPT-2-shaped checkpoints written by `transformers` (``save_pretrained``) with random weights
+    and read by `utils.pretrained.load_gpt2`: about 25M parameters, and GPT-2 small's shape
+    (124M). Ours against ``GPT2LMHeadModel.generate`` with each attention implementation
+    (``"eager"``, ``"sdpa"``) and against a bare cached loop on the checkpoint's tensors. At
+    batch 1 decoding reads every weight once per token, so its speed has a ceiling: the
+    memory bandwidth over the bytes read per token, both printed; the row gives the fraction
+    of that ceiling each contender reaches.
 
-    python scripts/bench_decoding.py --quick     # a tiny model, a few tokens (the smoke test)
+Every contender makes exactly ``new_tokens`` tokens per row (no end token can stop one), and
+the tokens must be identical across all of them (`scripts/bench_harness.interleave` checks it
+before timing). Times are CPU times per round, interleaved, on one thread.
+
+    python scripts/bench_decoding.py --quick     # tiny models, a few tokens (the smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the checkpoint is made here
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, Path(__file__).resolve().parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_harness import interleave, make_row, one_thread, ratio_summary  # noqa: E402
 
 from utils.decoding import generate  # noqa: E402
+from utils.models import DecoderOnlyLM  # noqa: E402
 from utils.pretrained import load_gpt2  # noqa: E402
 
-GROUP = "(f) GPT-2 decoding"
-FULL = {"d_model": 320, "heads": 5, "layers": 6, "vocab": 50257, "prompt": 16,
-        "new_tokens": 256, "batches": [1, 8]}
-QUICK = {"d_model": 32, "heads": 2, "layers": 1, "vocab": 101, "prompt": 4, "new_tokens": 6,
-         "batches": [1, 2]}
+NEVER = 10**9  # an end token no model makes: every contender runs its full length
+
+CH10 = {"vocab": 50, "d_model": 32, "heads": 4, "layers": 2, "prompt": 16, "new_tokens": 256,
+        "batches": [1, 8]}
+CH10_QUICK = {**CH10, "layers": 1, "prompt": 4, "new_tokens": 6, "batches": [1, 2]}
+GPT2 = [
+    {"name": "25M", "d_model": 320, "heads": 5, "layers": 6, "vocab": 50257, "prompt": 16,
+     "new_tokens": 128, "batches": [1, 8]},
+    {"name": "GPT-2 small (124M)", "d_model": 768, "heads": 12, "layers": 12, "vocab": 50257,
+     "prompt": 16, "new_tokens": 64, "batches": [1, 8]},
+]
+GPT2_QUICK = [{"name": "tiny", "d_model": 32, "heads": 2, "layers": 1, "vocab": 101, "prompt": 4,
+               "new_tokens": 6, "batches": [1, 2]}]
+DECODE_GOAL = 1.5  # chapter 10's model: generate at most this times a bare cached loop (batch 1)
+BANDWIDTH_GOAL = 0.75  # GPT-2 small at batch 1: at least this fraction of the bandwidth ceiling
 
 
-def write_checkpoint(folder: Path, sizes: dict) -> int:
+# --- chapter 10's model ----------------------------------------------------------------------
+
+
+def bare_lm_loop(model: DecoderOnlyLM, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of a pre-LN `DecoderOnlyLM` written as plain PyTorch calls on its
+    weights: a preallocated cache, the causal prompt pass, then one token per step."""
+    emb, scale, pe = model.embed.weight, model.embed.tokens.scale, model.embed.positions.pe
+    layers = []
+    for layer in model.blocks.layers:
+        a, ff = layer.self_attn, layer.ff
+        layers.append((layer.norm1, torch.cat([a.w_q.weight, a.w_k.weight, a.w_v.weight]),
+                       torch.cat([a.w_q.bias, a.w_k.bias, a.w_v.bias]), a.w_o, layer.norm2,
+                       ff.linear1, ff.linear2))
+    final, bias = model.blocks.norm, model.head.bias
+    b, length = prompts.shape
+    h, d = model.blocks.layers[0].self_attn.num_heads, model.d_model
+    total = length + new_tokens
+    keys = [torch.empty(b, h, total, d // h) for _ in layers]
+    values = [torch.empty(b, h, total, d // h) for _ in layers]
+
+    def norm(n: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (d,), n.weight, n.bias, n.eps)
+
+    def run(x: torch.Tensor, start: int) -> torch.Tensor:
+        n = x.shape[1]
+        for i, (n1, w_qkv, b_qkv, w_o, n2, l1, l2) in enumerate(layers):
+            q, k, v = F.linear(norm(n1, x), w_qkv, b_qkv).view(b, n, 3, h, d // h).permute(
+                2, 0, 3, 1, 4)
+            keys[i][:, :, start:start + n] = k
+            values[i][:, :, start:start + n] = v
+            out = F.scaled_dot_product_attention(q, keys[i][:, :, :start + n],
+                                                 values[i][:, :, :start + n], is_causal=n > 1)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, n, d), w_o.weight, w_o.bias)
+            x = x + F.linear(F.gelu(F.linear(norm(n2, x), l1.weight, l1.bias)), l2.weight,
+                             l2.bias)
+        return norm(final, x[:, -1]) @ emb.T + bias
+
+    out = []
+    with torch.inference_mode():
+        tok = run(F.embedding(prompts, emb) * scale + pe[:length], 0).argmax(-1)
+        out.append(tok)
+        for t in range(length, total - 1):
+            tok = run(F.embedding(tok[:, None], emb) * scale + pe[t], t).argmax(-1)
+            out.append(tok)
+    return torch.stack(out, 1).tolist()
+
+
+def ch10_rows(sizes: dict, rounds: int, quick: bool) -> list[dict]:
+    """Rows (d): generate against the bare loop (the goal at batch 1) and against no cache."""
+    torch.manual_seed(0)
+    s = sizes
+    model = DecoderOnlyLM(s["vocab"], d_model=s["d_model"], nhead=s["heads"],
+                          num_layers=s["layers"], max_len=s["prompt"] + s["new_tokens"]).eval()
+    rows = []
+    for batch in s["batches"]:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(3, s["vocab"], (batch, s["prompt"]), generator=g)
+        timings = interleave({
+            "generate": lambda p=prompts: generate(model, p, s["new_tokens"], eos=NEVER),
+            "bare loop": lambda p=prompts: bare_lm_loop(model, p, s["new_tokens"]),
+            "no cache": lambda p=prompts: generate(model, p, s["new_tokens"], eos=NEVER,
+                                                   use_cache=False),
+        }, rounds)
+        case = (f"B={batch}, prompt {s['prompt']}, {s['new_tokens']} new tokens, "
+                f"d={s['d_model']}, {s['layers']} layers, V={s['vocab']}")
+        summary = ratio_summary(timings, "generate", "bare loop")
+        goal = batch == 1
+        rows.append(make_row(
+            "(d) decoding, chapter 10's model", case, "generate", "bare cached loop", summary,
+            setup="1 thread, greedy, inference mode", same="tokens identical",
+            goal=f"at most {DECODE_GOAL:g}x a bare cached loop at batch 1" if goal else None,
+            goal_value=summary["ratio_median"] if goal else None,
+            goal_met=None if quick or not goal else summary["ratio_median"] <= DECODE_GOAL,
+            note="" if goal else "no goal at this batch size; reported"))
+        cache = ratio_summary(timings, "no cache", "generate")
+        rows.append(make_row(
+            "(d) decoding, chapter 10's model", case, "generate (cache)", "generate(use_cache="
+            "False)", {**ratio_summary(timings, "generate", "no cache")},
+            setup="1 thread, greedy, inference mode", same="tokens identical",
+            note=f"the cache's speed-up: {cache['ratio_median']:.2f}x (median per round)",
+            speedup=cache["ratio_median"]))
+    return rows
+
+
+# --- GPT-2 ----------------------------------------------------------------------------------
+
+
+def write_gpt2(folder: Path, s: dict) -> int:
     """A random-weight GPT-2 checkpoint in ``folder``, written by `transformers`; returns its
     number of parameters."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    config = GPT2Config(vocab_size=sizes["vocab"], n_embd=sizes["d_model"],
-                        n_head=sizes["heads"], n_layer=sizes["layers"],
-                        n_positions=sizes["prompt"] + sizes["new_tokens"],
-                        eos_token_id=sizes["vocab"] - 1, bos_token_id=sizes["vocab"] - 1)
+    logging.set_verbosity_error()
+    config = GPT2Config(vocab_size=s["vocab"], n_embd=s["d_model"], n_head=s["heads"],
+                        n_layer=s["layers"], n_positions=s["prompt"] + s["new_tokens"])
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     model.save_pretrained(folder, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
 
 
-def _reference_tokens(out: torch.Tensor, prompt: int, eos: int) -> list[list[int]]:
-    """`transformers`' output rows (prompt + new tokens, padded after ``<eos>``) as the book's
-    `generate` returns them: the new tokens up to, not including, ``<eos>``."""
-    rows = []
-    for row in out[:, prompt:].tolist():
-        rows.append(row[: row.index(eos)] if eos in row else row)
-    return rows
+def bare_gpt2_loop(sd: dict, s: dict, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of GPT-2 as plain PyTorch calls on the checkpoint's tensors (``sd``,
+    `transformers`' names, Conv1D weights (in, out)): what a hand-written loop costs."""
+    d, h, n_layer = s["d_model"], s["heads"], s["layers"]
+    wte, wpe = sd["transformer.wte.weight"], sd["transformer.wpe.weight"]
+    layers = [[sd[f"transformer.h.{i}.{k}"] for k in (
+        "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+        "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+        "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")]
+        for i in range(n_layer)]
+    lnf_w, lnf_b = sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"]
+    b, length = prompts.shape
+    total = length + new_tokens
+    keys = [torch.empty(b, h, total, d // h) for _ in range(n_layer)]
+    values = [torch.empty(b, h, total, d // h) for _ in range(n_layer)]
+
+    def run(x: torch.Tensor, start: int) -> torch.Tensor:
+        n = x.shape[1]
+        for i, (g1, c1, wa, ba, wp, bp, g2, c2, wf, bf, wm, bm) in enumerate(layers):
+            y = F.layer_norm(x, (d,), g1, c1)
+            q, k, v = torch.addmm(ba, y.view(-1, d), wa).view(b, n, 3, h, d // h).permute(
+                2, 0, 3, 1, 4)
+            keys[i][:, :, start:start + n] = k
+            values[i][:, :, start:start + n] = v
+            out = F.scaled_dot_product_attention(q, keys[i][:, :, :start + n],
+                                                 values[i][:, :, :start + n], is_causal=n > 1)
+            x = x + torch.addmm(bp, out.transpose(1, 2).reshape(b * n, d), wp).view(b, n, d)
+            y = F.gelu(torch.addmm(bf, F.layer_norm(x, (d,), g2, c2).view(-1, d), wf),
+                       approximate="tanh")
+            x = x + torch.addmm(bm, y, wm).view(b, n, d)
+        return F.linear(F.layer_norm(x[:, -1], (d,), lnf_w, lnf_b), wte)
+
+    out = []
+    with torch.inference_mode():
+        tok = run(wte[prompts] + wpe[:length], 0).argmax(-1)
+        out.append(tok)
+        for t in range(length, total - 1):
+            tok = run(wte[tok[:, None]] + wpe[t], t).argmax(-1)
+            out.append(tok)
+    return torch.stack(out, 1).tolist()
 
 
-def bench_decoding(sizes: dict, repeats: int) -> list[dict]:
-    """One row per batch size: median seconds of a whole greedy generation, ours and theirs,
-    taking turns, after one warm-up run each. Raises if the tokens differ."""
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second one thread reads from memory: the best of ``repeats`` passes, as a
+    matrix-vector product (what a decoding step does with each weight) and as a sum, over a
+    float32 tensor of ``mib`` MiB, far larger than any cache. The higher figure is kept: the
+    ceiling it gives is then the harder one to reach."""
+    cols = 768
+    w = torch.randn(mib * 2**20 // 4 // cols, cols)
+    x = torch.randn(1, cols)
+    best = float("inf")
+    with torch.inference_mode():
+        for fn in (lambda: F.linear(x, w), lambda: w.sum()):
+            fn()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+    return w.numel() * 4 / best
+
+
+def bytes_per_token(sd: dict, s: dict, batch: int) -> float:
+    """Bytes one greedy step reads at this size: every weight once (the token table once, as the
+    output projection; one row of it and of the positions for the input, negligible), and the
+    cached keys and values, averaged over the steps."""
+    weights = sum(t.numel() * t.element_size() for k, t in sd.items()
+                  if k != "transformer.wpe.weight" and not k.endswith("attn.bias"))
+    mean_context = s["prompt"] + s["new_tokens"] / 2
+    cache = 2 * s["layers"] * batch * mean_context * s["d_model"] * 4
+    return weights + cache
+
+
+def _hf_generate(model: torch.nn.Module, prompts: torch.Tensor, n: int) -> list[list[int]]:
+    """``transformers``' greedy generate of exactly ``n`` new tokens per row."""
+    with torch.inference_mode():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False)
+    return out[:, prompts.shape[1]:].tolist()
+
+
+def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
+    """Rows (f): per configuration and batch size, ours against transformers (sdpa, eager) and
+    a bare loop; at batch 1, the fraction of the bandwidth ceiling."""
+    from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    eos = sizes["vocab"] - 1
-    with tempfile.TemporaryDirectory() as folder:
-        params = write_checkpoint(Path(folder), sizes)
-        theirs = GPT2LMHeadModel.from_pretrained(folder).eval()
-        ours = load_gpt2(folder).eval()
+    bandwidth = read_bandwidth(32 if quick else 512)
     rows = []
-    for batch in sizes["batches"]:
-        g = torch.Generator().manual_seed(batch)
-        prompts = torch.randint(0, eos, (batch, sizes["prompt"]), generator=g)
-        results: dict[str, list[list[int]]] = {}
+    for s in configs:
+        with tempfile.TemporaryDirectory() as folder:
+            params = write_gpt2(Path(folder), s)
+            sd = load_file(str(Path(folder) / "model.safetensors"))
+            theirs = {impl: GPT2LMHeadModel.from_pretrained(folder, attn_implementation=impl)
+                      .eval() for impl in ("sdpa", "eager")}
+            ours = load_gpt2(folder).eval()
+        for model in theirs.values():
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+        n = s["new_tokens"]
+        for batch in s["batches"]:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(0, s["vocab"], (batch, s["prompt"]), generator=g)
 
-        def run_ours(prompts: torch.Tensor = prompts, results: dict = results) -> None:
-            results["ours"] = generate(ours, prompts, sizes["new_tokens"], eos=eos)
-
-        def run_theirs(prompts: torch.Tensor = prompts, results: dict = results) -> None:
-            out = theirs.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                  max_new_tokens=sizes["new_tokens"], do_sample=False,
-                                  pad_token_id=eos, eos_token_id=eos)
-            results["theirs"] = _reference_tokens(out, sizes["prompt"], eos)
-
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        with torch.inference_mode():
-            run_ours()
-            run_theirs()
-            for _ in range(repeats):
-                for name, fn in (("ours", run_ours), ("theirs", run_theirs)):
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-        if results["ours"] != results["theirs"]:
-            raise RuntimeError(f"batch {batch}: the book's generate and transformers' differ")
-        made = sum(len(r) for r in results["ours"])
-        t_ours, t_ref = (statistics.median(times[k]) for k in ("ours", "theirs"))
-        rows.append({
-            "group": GROUP,
-            "case": (f"B={batch}, prompt {sizes['prompt']}, up to {sizes['new_tokens']} new "
-                     f"tokens, d={sizes['d_model']}, {sizes['layers']} layers, "
-                     f"V={sizes['vocab']:,}, {params / 1e6:.1f}M parameters"),
-            "ours": "load_gpt2 + generate", "reference": "GPT2LMHeadModel.generate",
-            "ours_ms": t_ours * 1e3, "ref_ms": t_ref * 1e3, "time_ratio": t_ours / t_ref,
-            "ours_mib": None, "ref_mib": None, "memory_ratio": None,
-            "note": (f"greedy, both cached, median of {repeats}; {made} tokens made, the same "
-                     f"in both; tokens/s ours {made / t_ours:,.0f}, transformers "
-                     f"{made / t_ref:,.0f}"),
-            "tokens": made, "ours_tokens_per_s": made / t_ours,
-            "ref_tokens_per_s": made / t_ref,
-        })
+            timings = interleave({
+                "ours": partial(generate, ours, prompts, n, eos=NEVER),
+                "transformers (sdpa)": partial(_hf_generate, theirs["sdpa"], prompts, n),
+                "transformers (eager)": partial(_hf_generate, theirs["eager"], prompts, n),
+                "bare loop": partial(bare_gpt2_loop, sd, s, prompts, n),
+            }, rounds)
+            made = batch * n
+            per_token = bytes_per_token(sd, s, batch)
+            ceiling = bandwidth / per_token  # steps per second at most
+            case = (f"{s['name']}: B={batch}, prompt {s['prompt']}, {n} new tokens, "
+                    f"d={s['d_model']}, {s['layers']} layers, {params / 1e6:.1f}M parameters")
+            fractions = {name: (n / t.cpu_median) / ceiling for name, t in timings.items()}
+            extra = {"tokens_per_s": {k: made / t.cpu_median for k, t in timings.items()},
+                     "bandwidth_gb_s": bandwidth / 1e9, "bytes_per_token": per_token,
+                     "ceiling_steps_per_s": ceiling, "fraction_of_ceiling": fractions}
+            small = s["name"].startswith("GPT-2 small")
+            for ref in ("transformers (sdpa)", "transformers (eager)", "bare loop"):
+                summary = ratio_summary(timings, "ours", ref)
+                goal = goal_value = goal_met = None
+                if ref == "transformers (sdpa)":
+                    goal, goal_value = "at most 1.0x transformers' time", summary["ratio_median"]
+                    goal_met = None if quick else goal_value <= 1.0
+                if ref == "bare loop" and small and batch == 1:
+                    goal = (f"at least {BANDWIDTH_GOAL:.0%} of the bandwidth ceiling at batch 1")
+                    goal_value = fractions["ours"]
+                    goal_met = None if quick else goal_value >= BANDWIDTH_GOAL
+                note = ""
+                if batch == 1:
+                    note = (f"ceiling: {bandwidth / 1e9:.1f} GB/s over {per_token / 1e6:.0f} MB "
+                            f"per token = {ceiling:.1f} tokens/s; reached: " + ", ".join(
+                                f"{k} {v:.0%}" for k, v in fractions.items()))
+                rows.append(make_row(
+                    "(f) decoding, GPT-2", case, "load_gpt2 + generate", ref, summary,
+                    setup="1 thread, greedy, inference mode, float32", same="tokens identical",
+                    goal=goal, goal_value=goal_value, goal_met=goal_met, note=note, **extra))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    for row in bench_decoding(QUICK if args.quick else FULL, args.repeats):
-        print(f"{row['case']}: {row['note']} (threads {torch.get_num_threads()})")
+    with one_thread():
+        rows = ch10_rows(CH10_QUICK if args.quick else CH10, args.rounds, args.quick)
+        rows += gpt2_rows(GPT2_QUICK if args.quick else GPT2, args.rounds, args.quick)
+    for r in rows:
+        print(f"{r['group']} | {r['case']} | vs {r['reference']}: median {r['ratio_median']:.2f}"
+              f" (min {r['ratio_min']:.2f}) {r['note']}")
     return 0
 
 

@@ -1,40 +1,35 @@
-"""Speed and memory of the book's attention code, each figure a ratio against PyTorch's.
+"""Speed and memory of the book's code, each figure a ratio against the code a user would pick.
 
-    python scripts/benchmark.py                      # -> _build/bench/benchmark.md and .json
-    python scripts/benchmark.py --quick              # tiny sizes, a few seconds (the smoke test)
-    python scripts/benchmark.py --device cuda --repeats 10 --out DIR/bench.md
-    python scripts/benchmark.py --threads 1          # torch.set_num_threads(1) first
+    python scripts/benchmark.py                  # full sizes -> _build/bench/benchmark.md, .json
+    python scripts/benchmark.py --quick          # tiny sizes, under a minute (the smoke test)
+    python scripts/benchmark.py --rounds 7 --out DIR/bench.md
+    python scripts/benchmark.py --only a,b       # some groups of rows only
 
-Every row times one of the book's functions and its PyTorch counterpart in the same run, on the
-same inputs, device and number of threads: the median of ``--repeats`` runs after one warm-up
-run that is not counted, ours and the reference taking turns in rows (a) and (d), so that a
-machine whose speed drifts during the run slows both alike. The ratio ``ours / PyTorch``
-(above 1: ours is slower or bigger) is what to read; absolute times depend on the machine and on
-what else runs on it. Rows:
+How it measures (`scripts/bench_harness.py`): torch runs on one thread (``--threads`` to
+change it: every row then states it), so that a figure is the work the code does and not how
+busy the machine's other cores are. In each row every contender runs in this one process, in
+rounds, the order reversed every round, after one untimed warm-up call whose outputs are
+checked equal across contenders (to float32 rounding, or exactly for tokens and ids): a faster
+wrong answer stops the run. The figure is the ratio ours / reference of CPU times, formed per
+round; the table gives its median and minimum over the rounds, and the median wall-time ratio
+beside them (above 1: ours is slower). On a GPU (``--device cuda``) the clock is the wall clock
+after synchronising, since CPU time would miss the device's work. Each goal is judged on the
+median CPU-time ratio, and only at full size (``--quick`` says "not judged").
 
-(a) `utils.attention.MultiHeadAttention` against ``nn.MultiheadAttention(need_weights=False)``
-    holding the same weights (``from_torch``), forward (``torch.no_grad()``, eval mode) and
-    forward + backward.
+Rows (the peers in `bench_attention`, `bench_tokenizer`, `bench_decoding`):
+
+(a) `MultiHeadAttention` against the SDPA block and ``nn.MultiheadAttention``, evaluation and
+    training, without a mask and causal;
 (b) `scaled_dot_product_attention` and `memory_efficient_attention` against
-    ``torch.nn.functional.scaled_dot_product_attention`` at L = 4096, 4 heads, d_k = 64: time,
-    GFLOP/s (4 L^2 d_k h / time: two matrix products of 2 L^2 d_k flops per head) and peak memory.
-(c) `local_attention` (window 64) against PyTorch's attention under the same banded mask, as L
-    grows; the book's own masked `scaled_dot_product_attention` is shown in the notes.
-(d) `utils.decoding.generate` with the KV cache against without it, when ``generate`` takes
-    ``use_cache`` (skipped otherwise), 256 new tokens on a model of chapter 10's size, for one
-    prompt and for a batch of 8. The reference here is the book's own uncached loop.
-(e) `utils.tokenizer.ByteBPETokenizer.encode` on the book's prose (with an empty cache of
-    pre-tokens and with a warm one) against Hugging Face's ``tokenizers`` loaded from the same
-    ``vocab.json`` and ``merges.txt``, on one thread; the ids must be identical
-    (`scripts/bench_tokenizer.py`). CPU only.
-(f) `utils.decoding.generate` on a GPT-2 checkpoint of about 25M parameters, written by
-    ``transformers`` and read by `utils.pretrained.load_gpt2`, against ``transformers``'
-    ``generate`` on the same weights: greedy, both with their caches, 256 new tokens, batch 1
-    and 8, the same tokens asserted; tokens per second (`scripts/bench_decoding.py`). CPU only.
-
-The table ends with the goals: (a) at most 1.2 times PyTorch's time, (b) the memory-efficient
-peak at most 1/8 of the plain one at L = 4096, (d) the cache at least 5 times faster, (f) the
-book's generate at least as fast as ``transformers``' at both batch sizes.
+    ``F.scaled_dot_product_attention``: time and peak memory, L = 4096 and 8192;
+(c) `local_attention` against ``F.scaled_dot_product_attention`` under its banded mask;
+(d) `generate` on chapter 10's model against a bare cached loop on the same weights, and
+    against itself without the cache;
+(e) the tokenizer, encoding and decoding the book's prose, against Hugging Face ``tokenizers``
+    (batch mode, its cache emptied) and ``tiktoken`` built from the same vocabulary (CPU only);
+(f) `generate` on GPT-2-shaped checkpoints (25M parameters and GPT-2 small's 124M) against
+    ``transformers``' ``generate`` with each attention implementation and a bare loop, and the
+    fraction of the memory-bandwidth ceiling each reaches at batch 1 (CPU only).
 
 Peak memory, how it is measured: each variant runs once, under ``torch.no_grad()``, in a process
 of its own (so nothing allocated by another variant is counted or reused), forked from a server
@@ -48,8 +43,7 @@ that a freed tensor is returned to the kernel instead of being kept and silently
 clear_refs is not available (not Linux), ``resource.getrusage``'s ``ru_maxrss`` is used, which
 cannot be reset and so only counts growth beyond the peak of start-up. On CUDA it is
 ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus what was allocated
-before the call. The notes also give, for the book's functions, the size of the largest
-intermediate computed from the shapes.
+before the call.
 """
 
 from __future__ import annotations
@@ -58,95 +52,48 @@ import argparse
 import atexit
 import datetime
 import gc
-import importlib
-import inspect
 import json
 import math
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from utils.attention import MultiHeadAttention, scaled_dot_product_attention  # noqa: E402
-from utils.data import book_prose  # noqa: E402
+from utils.attention import scaled_dot_product_attention  # noqa: E402
 from utils.fast_attention import local_attention, memory_efficient_attention  # noqa: E402
 from utils.masks import local_mask  # noqa: E402
 
 DEFAULT_OUT = ROOT / "_build" / "bench" / "benchmark.md"
 MIB = 2**20
-MEMORY_GOAL = 1 / 8  # memory_efficient_attention's peak over the plain version's, at most
-MHA_GOAL = 1.2  # MultiHeadAttention's time over nn.MultiheadAttention's, at most
-CACHE_GOAL = 5.0  # generate's speed-up from the KV cache, at least
-PAGE = 4096  # a reference peak below one page is below what the measurement can see
+GROUPS = "abcdef"
 
 FULL = {
     "mha": [(8, 128, 256, 8), (4, 512, 256, 8), (1, 2048, 128, 4)],  # (B, L, d_model, h)
-    "sdpa": {"length": 4096, "heads": 4, "d_k": 64, "block": 256},
+    "causal_length": 2048,  # the causal goal's L
+    "sdpa": {"lengths": [4096, 8192], "heads": 4, "d_k": 64, "block": 256, "plain_up_to": 4096},
     "local": {"lengths": [1024, 2048, 4096], "window": 64, "heads": 4, "d_k": 64},
-    # chapter 10's language model: d_model 32, 4 heads, 2 layers; 256 new tokens
-    "generate": {"batches": [1, 8], "prompt": 16, "new_tokens": 256, "d_model": 32, "layers": 2},
-    "tokenizer": {"chapters": None, "vocab": 1000},  # the whole book's prose
-    "decoding": "FULL",  # scripts/bench_decoding.py's sizes
-    "repeats": 5,
+    "rounds": 5,
 }
 QUICK = {
-    "mha": [(2, 16, 32, 4), (1, 32, 32, 4), (1, 64, 16, 2)],
-    "sdpa": {"length": 256, "heads": 2, "d_k": 16, "block": 32},
+    "mha": [(2, 16, 32, 4), (1, 64, 16, 2)],
+    "causal_length": 64,
+    "sdpa": {"lengths": [256], "heads": 2, "d_k": 16, "block": 32, "plain_up_to": 256},
     "local": {"lengths": [128, 256], "window": 8, "heads": 2, "d_k": 16},
-    "generate": {"batches": [2], "prompt": 4, "new_tokens": 4, "d_model": 32, "layers": 1},
-    "tokenizer": {"chapters": [1], "vocab": 300},
-    "decoding": "QUICK",
-    "repeats": 2,
+    "rounds": 2,
 }
-
-
-# --- timing --------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_times(fns: list[Callable[[], object]], device: torch.device, repeats: int,
-                 warmup: int = 1) -> list[float]:
-    """Median wall time of each ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs
-    of each. The functions take turns (a, b, a, b, ...), so that a machine that slows down or
-    speeds up during the measurement affects ours and the reference alike."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    _sync(device)
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, seen in zip(fns, times, strict=True):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            seen.append(time.perf_counter() - start)
-    return [statistics.median(seen) for seen in times]
-
-
-def median_time(fn: Callable[[], object], device: torch.device, repeats: int,
-                warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs."""
-    return median_times([fn], device, repeats, warmup)[0]
 
 
 # --- the attention variants whose memory is measured, one per process -------------------------
@@ -292,217 +239,6 @@ def measure_memory(variant: str, length: int, heads: int, d_k: int, window: int,
     return _SERVER.measure(spec)
 
 
-# --- the rows -------------------------------------------------------------------------------
-
-
-def _row(group: str, case: str, ours: str, reference: str, ours_s: float, ref_s: float,
-         ours_mem: int | None = None, ref_mem: int | None = None, note: str = "") -> dict:
-    return {
-        "group": group, "case": case, "ours": ours, "reference": reference,
-        "ours_ms": ours_s * 1e3, "ref_ms": ref_s * 1e3, "time_ratio": ours_s / ref_s,
-        "ours_mib": None if ours_mem is None else ours_mem / MIB,
-        "ref_mib": None if ref_mem is None else ref_mem / MIB,
-        "memory_ratio": (None if ours_mem is None or ref_mem is None or ref_mem < PAGE
-                         else ours_mem / ref_mem),
-        "note": note,
-    }
-
-
-def _train_step(module: nn.Module, x: torch.Tensor, **kwargs: object) -> None:
-    """One forward and backward pass of self-attention on ``x``, gradients cleared first."""
-    module.zero_grad(set_to_none=True)
-    out = module(x, x, x, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out  # nn.MultiheadAttention: (output, None)
-    out.sum().backward()
-
-
-def bench_mha(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
-    rows = []
-    for b, length, d_model, h in sizes["mha"]:
-        torch.manual_seed(0)
-        ref = nn.MultiheadAttention(d_model, h, batch_first=True).to(device)
-        ours = MultiHeadAttention.from_torch(ref)
-        x = torch.randn(b, length, d_model, device=device)
-        case = f"B={b}, L={length}, d={d_model}, h={h}"
-        names = ("MultiHeadAttention", "nn.MultiheadAttention(need_weights=False)")
-
-        ref.eval()
-        ours.eval()
-        with torch.no_grad():
-            t_ours, t_ref = median_times([partial(ours, x, x, x),
-                                          partial(ref, x, x, x, need_weights=False)],
-                                         device, repeats)
-        rows.append(_row("(a) forward", case, *names, t_ours, t_ref,
-                         note="eval mode, torch.no_grad()"))
-
-        ref.train()
-        ours.train()
-
-        t_ours, t_ref = median_times([partial(_train_step, ours, x),
-                                      partial(_train_step, ref, x, need_weights=False)],
-                                     device, repeats)
-        rows.append(_row("(a) forward+backward", case, *names, t_ours, t_ref))
-    return rows
-
-
-def bench_sdpa(sizes: dict, device: torch.device, repeats: int,
-               memory: bool = True) -> tuple[list[dict], dict | None]:
-    """Rows (b), and the memory goal (None without ``memory``: the peaks are then not measured,
-    which saves the fresh processes, as a notebook wants)."""
-    s = sizes["sdpa"]
-    length, heads, d_k, block = s["length"], s["heads"], s["d_k"], s["block"]
-    q, k, v = _attention_inputs(length, heads, d_k, device)
-    flops = 4 * length * length * d_k * heads
-    times, mems = {}, {}
-    for name in ("torch_sdpa", "utils_sdpa", "memory_efficient"):
-        fn, extra = _variant(name, length, 0, block, device)
-        with torch.no_grad():
-            times[name] = median_time(partial(fn, q, k, v, *extra), device, repeats)
-        mems[name] = (measure_memory(name, length, heads, d_k, 0, block, device)["peak_bytes"]
-                      if memory else None)
-    case = f"L={length}, h={heads}, d_k={d_k}"
-    elt = q.element_size()
-    gflops = {n: flops / t / 1e9 for n, t in times.items()}
-    rows = [
-        _row("(b) attention", case, "scaled_dot_product_attention",
-             "F.scaled_dot_product_attention", times["utils_sdpa"], times["torch_sdpa"],
-             mems["utils_sdpa"], mems["torch_sdpa"],
-             note=f"{gflops['utils_sdpa']:.1f} vs {gflops['torch_sdpa']:.1f} GFLOP/s; largest "
-                  f"intermediate h L^2 = {heads * length**2 * elt / MIB:.1f} MiB"),
-        _row("(b) attention", case, f"memory_efficient_attention (block {block})",
-             "F.scaled_dot_product_attention", times["memory_efficient"], times["torch_sdpa"],
-             mems["memory_efficient"], mems["torch_sdpa"],
-             note=f"{gflops['memory_efficient']:.1f} vs {gflops['torch_sdpa']:.1f} GFLOP/s; "
-                  f"largest intermediate h block^2 = {heads * block**2 * elt / MIB:.2f} MiB"),
-    ]
-    if not memory:
-        return rows, None
-    ratio = mems["memory_efficient"] / max(mems["utils_sdpa"], 1)
-    goal = {"memory_efficient_over_plain": ratio, "goal": MEMORY_GOAL, "met": ratio <= MEMORY_GOAL,
-            "length": length}
-    return rows, goal
-
-
-def bench_local(sizes: dict, device: torch.device, repeats: int,
-                memory: bool = True) -> list[dict]:
-    """Rows (c); ``memory=False`` leaves the peaks unmeasured."""
-    s = sizes["local"]
-    window, heads, d_k = s["window"], s["heads"], s["d_k"]
-    rows = []
-    for length in s["lengths"]:
-        q, k, v = _attention_inputs(length, heads, d_k, device)
-        times, mems = {}, {}
-        for name in ("torch_sdpa_banded", "utils_sdpa_banded", "local"):
-            fn, extra = _variant(name, length, window, 0, device)
-            with torch.no_grad():
-                times[name] = median_time(partial(fn, q, k, v, *extra), device, repeats)
-            mems[name] = (measure_memory(name, length, heads, d_k, window, 0,
-                                         device)["peak_bytes"] if memory else None)
-        rows.append(_row(
-            "(c) local", f"L={length}, window={window}, h={heads}, d_k={d_k}",
-            "local_attention", "F.scaled_dot_product_attention(local_mask)",
-            times["local"], times["torch_sdpa_banded"], mems["local"], mems["torch_sdpa_banded"],
-            note="book's masked scaled_dot_product_attention: "
-                 f"{times['utils_sdpa_banded'] * 1e3:.1f} ms"
-                 + (f", {mems['utils_sdpa_banded'] / MIB:.1f} MiB" if memory else "")))
-    return rows
-
-
-def bench_generate(sizes: dict, device: torch.device, repeats: int) -> list[dict]:
-    from utils import decoding
-    from utils.models import DecoderOnlyLM
-
-    s = sizes["generate"]
-    if "use_cache" not in inspect.signature(decoding.generate).parameters:
-        return [{"group": "(d) generate", "case": "skipped", "ours": "generate(use_cache=True)",
-                 "reference": "generate(use_cache=False)", "skipped":
-                 "utils.decoding.generate has no use_cache argument in this version"}]
-    torch.manual_seed(0)
-    vocab = 50
-    model = DecoderOnlyLM(vocab, d_model=s["d_model"], nhead=4, num_layers=s["layers"],
-                          max_len=s["prompt"] + s["new_tokens"]).to(device).eval()
-    rows = []
-    for batch in s["batches"]:
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(3, vocab, (batch, s["prompt"]), generator=g).tolist()
-        # Greedy with an untrained model: a row may stop early at <eos>; both runs stop alike.
-        tokens = {}
-
-        def run(use_cache: bool, prompts: list = prompts, tokens: dict = tokens) -> None:
-            tokens[use_cache] = decoding.generate(model, prompts, s["new_tokens"],
-                                                  use_cache=use_cache)
-
-        with torch.no_grad():
-            t_ours, t_ref = median_times([partial(run, True), partial(run, False)], device,
-                                         repeats)
-        same = tokens[True] == tokens[False]
-        made = sum(len(t) for t in tokens[True])
-        case = (f"B={batch}, prompt {s['prompt']}, up to {s['new_tokens']} new tokens, "
-                f"d={s['d_model']}, {s['layers']} layers")
-        rows.append(_row("(d) generate", case, "generate(use_cache=True)",
-                         "generate(use_cache=False)", t_ours, t_ref,
-                         note=f"greedy, median of {repeats}; {made} tokens made; same tokens: "
-                              f"{same}; speed-up {t_ref / t_ours:.1f}x"))
-    return rows
-
-
-def _sibling(name: str) -> object:
-    """A script beside this one, imported only when its rows are measured: chapter 13 loads this
-    file for its own rows, and should not pay for importing tokenizers and transformers."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(name)
-
-
-def bench_tokenizer_rows(sizes: dict, repeats: int) -> list[dict]:
-    """(e): encoding the book's prose with `utils.tokenizer` against Hugging Face's tokenizers
-    loaded from the same files (`scripts/bench_tokenizer.py`), the same ids asserted."""
-    s = sizes["tokenizer"]
-    r = _sibling("bench_tokenizer").bench_tokenizer(book_prose(s["chapters"]), s["vocab"], repeats)
-    case = (f"{r['chars']:,} characters of the book's prose, {r['tokens']:,} tokens, "
-            f"vocabulary {r['vocab_size']:,}")
-    rows = []
-    for name, label in (("ours_cold", "empty cache"), ("ours_warm", "warm cache")):
-        row = _row("(e) tokenizer", case, f"ByteBPETokenizer.encode ({label})",
-                   "tokenizers BPE + ByteLevel (1 thread)", r[f"{name}_ms"] / 1e3,
-                   r["tokenizers_ms"] / 1e3,
-                   note=f"the same ids; tokens/s ours {r[f'{name}_tokens_per_s']:,}, "
-                        f"tokenizers {r['tokenizers_tokens_per_s']:,}; the whole text is one "
-                        f"string")
-        rows.append(row)
-    return rows
-
-
-def goals(rows: list[dict], memory: dict, quick: bool) -> list[str]:
-    """One line per goal of the benchmark: the figure measured and whether it is met."""
-    def verdict(ok: bool) -> str:
-        return "not judged: --quick sizes" if quick else ("met" if ok else "NOT met")
-
-    lines = []
-    mha = [r for r in rows if r["group"].startswith("(a)") and "skipped" not in r]
-    if mha:
-        worst = max(mha, key=lambda r: r["time_ratio"])
-        lines.append(f"- MultiHeadAttention at most {MHA_GOAL:g}x nn.MultiheadAttention's time "
-                     f"(need_weights=False), forward and forward+backward, at every shape: "
-                     f"worst ratio {worst['time_ratio']:.2f} ({worst['group'][4:]}, "
-                     f"{worst['case']}) ({verdict(worst['time_ratio'] <= MHA_GOAL)}).")
-    lines.append(f"- memory_efficient_attention's peak memory at most 1/8 of scaled_dot_product_"
-                 f"attention's at L={memory['length']}: measured ratio "
-                 f"{memory['memory_efficient_over_plain']:.4f} ({verdict(memory['met'])}).")
-    for r in rows:
-        if r["group"] == "(d) generate" and "skipped" not in r:
-            speed = 1 / r["time_ratio"]
-            lines.append(f"- generate with the KV cache at least {CACHE_GOAL:g}x faster than "
-                         f"without, {r['case']}: {speed:.1f}x ({verdict(speed >= CACHE_GOAL)}).")
-        if r["group"].startswith("(f)"):
-            lines.append(f"- the book's generate on a loaded GPT-2 at least as fast as "
-                         f"transformers' generate, {r['case']}: {r['ours_tokens_per_s']:,.0f} "
-                         f"against {r['ref_tokens_per_s']:,.0f} tokens/s "
-                         f"({verdict(r['time_ratio'] <= 1.0)}).")
-    return lines
-
-
 # --- report ---------------------------------------------------------------------------------
 
 
@@ -525,42 +261,66 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({name}, {os.cpu_count()} logical cores)"
 
 
-def render(meta: dict, rows: list[dict], goal: dict) -> str:
-    lines = [
-        "# Attention benchmark",
-        "",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']}",
-        f"- torch threads: {meta['threads']} (torch.get_num_threads()); torch {meta['torch']}",
-        f"- load average at start: {meta['load']}",
-        f"- timing: median of {meta['repeats']} runs after 1 warm-up run (in (a) and (d) ours "
-        "and the reference take turns); ratio = ours / "
-        "reference (above 1: ours is slower or uses more memory)",
-        f"- peak memory: {meta['memory_method']}, one process per variant (forked from one "
-        "that only imported)",
-        "",
-        *table(rows),
-    ]
-    lines += ["", "Goals:", "", *goals(rows, goal, meta["quick"]), ""]
-    return "\n".join(lines)
+def verdict(row: dict) -> str:
+    """A row's goal and whether it is met, in words ("" for a row without a goal)."""
+    if row.get("goal") is None:
+        return ""
+    judged = ("not judged (--quick)" if row["goal_met"] is None
+              else "met" if row["goal_met"] else "NOT met")
+    return f"{row['goal']}: {judged}"
 
 
 def table(rows: list[dict]) -> list[str]:
     """The rows as the lines of a Markdown table, its header included."""
-    lines = ["| group | case | ours | reference | ours ms | ref ms | time ratio | ours MiB | "
-             "ref MiB | memory ratio | notes |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| group | case | ours | reference | setup | ours ms | ref ms | CPU ratio, median "
+             "(min) | wall ratio | ours MiB | ref MiB | memory ratio | same | goal | notes |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "--- | --- | --- |"]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['group']} | skipped | {r['ours']} | {r['reference']} | - | - | "
-                         f"- | - | - | - | {r['skipped']} |")
-            continue
         lines.append(
-            f"| {r['group']} | {r['case']} | {r['ours']} | {r['reference']} | "
-            f"{_fmt(r['ours_ms'])} | {_fmt(r['ref_ms'])} | {_fmt(r['time_ratio'])} | "
-            f"{_fmt(r['ours_mib'], 1)} | {_fmt(r['ref_mib'], 1)} | "
-            f"{_fmt(r['memory_ratio'])} | {r['note']} |")
+            f"| {r['group']} | {r['case']} | {r['ours']} | {r['reference']} | {r['setup']} | "
+            f"{_fmt(r['ours_ms'])} | {_fmt(r['ref_ms'])} | {_fmt(r['ratio_median'])} "
+            f"({_fmt(r['ratio_min'])}) | {_fmt(r['wall_ratio_median'])} | "
+            f"{_fmt(r.get('ours_mib'), 1)} | {_fmt(r.get('ref_mib'), 1)} | "
+            f"{_fmt(r.get('memory_ratio'))} | {r['same']} | {verdict(r)} | {r['note']} |")
     return lines
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """One line per row that has a goal: the figure and the verdict."""
+    lines = []
+    for r in rows:
+        if r.get("goal") is None:
+            continue
+        figure = r["goal_value"]
+        shown = f"{figure:.0%} of the ceiling" if "ceiling" in r["goal"] else f"{figure:.2f}x"
+        lines.append(f"- {r['group']}, {r['case']}, {r['ours']} against {r['reference']}: "
+                     f"{shown}; {verdict(r)}.")
+    return lines
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        "# Benchmark",
+        "",
+        f"- date: {meta['date']}",
+        f"- device: {meta['device']}",
+        f"- torch threads: {meta['threads']}; torch {meta['torch']}",
+        f"- load average at start: {meta['load']}",
+        f"- timing: {meta['rounds']} interleaved rounds after a warm-up, order reversed every "
+        f"round; ratio = ours / reference of {meta['clock']}, per round (median and minimum)",
+        f"- peak memory: {meta['memory_method']}, one process per variant",
+        f"- sizes: {'--quick (goals not judged)' if meta['quick'] else 'full'}; "
+        f"{meta['seconds']} s",
+        "",
+        *table(rows),
+        "",
+        "Goals:",
+        "",
+        *goals(rows),
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _memory_method(device: torch.device) -> str:
@@ -572,15 +332,51 @@ def _memory_method(device: torch.device) -> str:
     return "resource.getrusage ru_maxrss growth"
 
 
+def run(groups: str, quick: bool, rounds: int | None, device: torch.device) -> list[dict]:
+    """The rows of ``groups`` (letters of `GROUPS`), at quick or full size."""
+    import bench_attention
+
+    sizes = QUICK if quick else FULL
+    rounds = sizes["rounds"] if rounds is None else rounds
+    rows: list[dict] = []
+    if "a" in groups:
+        rows += bench_attention.mha_rows(sizes["mha"], sizes["causal_length"], rounds, device,
+                                         quick)
+
+    def memory_of(s: dict) -> Callable[[str, int], int]:
+        return lambda variant, length: measure_memory(
+            variant, length, s["heads"], s["d_k"], s.get("window", 0), s.get("block", 0),
+            device)["peak_bytes"]
+
+    if "b" in groups:
+        rows += bench_attention.sdpa_rows(sizes["sdpa"], rounds, device, quick,
+                                          memory_of(sizes["sdpa"]))
+    if "c" in groups:
+        rows += bench_attention.local_rows(sizes["local"], rounds, device,
+                                           memory_of(sizes["local"]))
+    cpu = device.type == "cpu"
+    if "d" in groups or ("f" in groups and cpu):
+        import bench_decoding as dec
+    if "d" in groups:
+        rows += dec.ch10_rows(dec.CH10_QUICK if quick else dec.CH10, rounds, quick)
+    if "e" in groups and cpu:
+        import bench_tokenizer
+
+        rows += bench_tokenizer.bench_tokenizer_rows(quick=quick, rounds=rounds)
+    if "f" in groups and cpu:
+        rows += dec.gpt2_rows(dec.GPT2_QUICK if quick else dec.GPT2, min(rounds, 3), quick)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per figure (default 5, 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own choice); on a busy machine "
-                             "fewer threads than cores give steadier times")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per row (default 5, 2 with --quick; GPT-2 at most 3)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: every figure is then the work done)")
+    parser.add_argument("--only", default=GROUPS, help="the groups to run, e.g. 'a,d'")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="the Markdown table; the JSON goes beside it (default "
                              "_build/bench/benchmark.md)")
@@ -594,16 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmark.py: --device cuda asked for, but torch finds no CUDA device here; "
               "run with --device cpu", file=sys.stderr)
         return 2
-    sizes = QUICK if args.quick else FULL
-    repeats = args.repeats if args.repeats is not None else sizes["repeats"]
-    if repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {repeats}")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    groups = "".join(c for c in args.only if c in GROUPS)
+    if not groups or any(c not in GROUPS + ", " for c in args.only):
+        parser.error(f"--only takes letters among {GROUPS!r}, got {args.only!r}")
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-
+    sizes = QUICK if args.quick else FULL
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": device_name(device),
@@ -611,29 +407,23 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "load": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg")
         else "unknown",
-        "repeats": repeats,
+        "rounds": args.rounds or sizes["rounds"],
+        "clock": "CPU time" if device.type == "cpu" else "wall time after synchronising",
         "memory_method": _memory_method(device),
         "quick": args.quick,
+        "groups": groups,
     }
     start = time.perf_counter()
-    rows = bench_mha(sizes, device, repeats)
-    sdpa_rows, goal = bench_sdpa(sizes, device, repeats)
-    rows += sdpa_rows
-    rows += bench_local(sizes, device, repeats)
-    rows += bench_generate(sizes, device, repeats)
-    if device.type == "cpu":  # the tokenizer and transformers' generate: CPU only here
-        rows += bench_tokenizer_rows(sizes, repeats)
-        decoding = _sibling("bench_decoding")
-        rows += decoding.bench_decoding(getattr(decoding, sizes["decoding"]), repeats)
+    rows = run(groups, args.quick, args.rounds, device)
     meta["seconds"] = round(time.perf_counter() - start, 1)
 
-    text = render(meta, rows, goal)
+    text = render(meta, rows)
     print(text)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "memory_goal": goal}, indent=1,
+        json.dumps({"meta": meta, "rows": rows}, indent=1,
                    default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
     print(f"written: {out} and {out.with_suffix('.json')} ({meta['seconds']} s)")
     return 0

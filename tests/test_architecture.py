@@ -39,6 +39,7 @@ LEVELS = {
     "utils.models": 3, "utils.vision": 3, "utils.tasks": 3, "utils.train": 3,
     "utils.decoding": 3, "utils.costs": 3, "utils.plotting": 3, "utils.explorer": 3,
     "utils.diagrams": 3,
+    "utils.decoding_plan": 3,  # decoding's step for the library's own models, checked once
     "utils.decoding_steps": 3,  # what a decoding loop reads back from the device, grouped
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
     "utils.checkpoint_io": 3,  # reading them onto any device, built on meta

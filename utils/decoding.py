@@ -45,6 +45,17 @@ without its range checks (which would read them back); the prompts are checked a
 default reads every step on the CPU, where a read waits for nothing, and every
 `utils.decoding_steps.CHECK_EVERY` steps elsewhere.
 
+Checked once: `generate` checks its arguments and every prompt id once, and runs the prompts
+through the model's own checked ``forward``. After that the loop feeds the model only what it
+made itself, so for the library's own decoder-only models (`utils.models.DecoderOnlyLM`, and
+GPT-2 and Llama as `utils.pretrained` loads them) each later step runs through
+`utils.decoding_plan.DecodePlan`: the same operations on the same parameters without the
+modules' per-call checks, which at a small model's size cost more than the arithmetic. A greedy
+step checks the B scores it picked (the first maximum of each row: NaN, +inf or an all -inf row
+is always what gets picked, so this finds every bad row) instead of a pass over all V scores.
+Any other model, or one of these with a forward hook or a subclass, decodes through its checked
+modules; the tokens are the same either way (tests/test_decoding_plan.py).
+
 Every function checks its arguments before any work and raises `ValueError`, or
 `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. The model
 is run in evaluation mode under ``torch.inference_mode()`` (no autograd, less bookkeeping per
@@ -78,6 +89,7 @@ from ._validation import (
     type_name,
 )
 from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
+from .decoding_plan import plan_for
 from .decoding_steps import Watch, check_every_for, checked_pick
 from .kv_cache import DecoderCache
 
@@ -326,10 +338,17 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     ragged = not bool(real.all())
     watch = Watch(check_every_for(check_every, device), device, temperature, generator)
     cache = _cache_for(model, use_cache, needed)
+    plan = None
     with eval_mode(model), torch.inference_mode():
         for step in range(max_new_tokens):
             with watch.feeding():
-                if cache is None:
+                if plan is not None:  # the checked-once step (`utils.decoding_plan`)
+                    slot = plan.slot
+                    keys[:, slot] = ~done  # as the branch below: finished rows hidden
+                    # each row's newest token (a finished row's is never read) at its position
+                    logits = plan.step(tok[:, None], (lengths - 1)[:, None],
+                                       keys[:, : slot + 1] if ragged or watch.any_done else None)
+                elif cache is None:
                     width = int(lengths.max())
                     # (B, V) at each row's last token
                     logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
@@ -353,6 +372,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                                                 positions=pos), b, 0)
             if step == 0:
                 watch.trust(model, logits)
+                if cache is not None and watch.trusted:
+                    plan = plan_for(model, cache)
+                    if plan is not None:  # (B, L_cache): the slots each row may attend to
+                        keys = torch.cat([keys, keys.new_ones(b, max_new_tokens - 1)], dim=1)
             tok = watch.pick(logits, temperature, generator)
             # Each live row's token goes to its own next slot; a finished row's next slot stays
             # padding (it is past the row's end, and never read).
@@ -361,6 +384,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             done |= tok == eos
             if watch.finished(done, step == max_new_tokens - 1):
                 break
+        if plan is not None:
+            plan.close()
     start = real.sum(dim=1)
     return [_cut(tokens[i, start[i]: lengths[i]].tolist(), eos) for i in range(b)]
 

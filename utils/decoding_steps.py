@@ -47,9 +47,18 @@ def _raise_bad_logits(code: torch.Tensor | int) -> None:
 def checked_pick(logits: torch.Tensor, temperature: float,
                  generator: torch.Generator | None) -> torch.Tensor:
     """(B,) ids from (B, V) logits, checked first as `utils.decoding.next_token` documents: a
-    ValueError for NaN or +inf, or a row with no finite score. The usual case costs one sum,
-    finite exactly when every score is (finite scores that overflow it go on to the full
-    check, and pass)."""
+    ValueError for NaN or +inf, or a row with no finite score.
+
+    Greedy picking checks only the B scores it picked: argmax picks a NaN wherever a row holds
+    one, else a +inf wherever it holds one, and -inf only from a row of nothing else, so the
+    picked scores are all finite exactly when the logits are sound (no pass over V scores).
+    Sampling checks one sum, finite exactly when every score is (finite scores that overflow
+    it go on to the full check, and pass)."""
+    if temperature == 0:
+        picked, tok = logits.max(dim=-1)  # the first maximal score of each row, as argmax
+        if not math.isfinite(float(picked.sum())):  # finite scores that overflow: checked below
+            _raise_bad_logits(bad_logits_code(logits))
+        return tok
     if not bool(torch.isfinite(logits.sum())):
         _raise_bad_logits(bad_logits_code(logits))
     return _pick(logits, temperature, generator)
@@ -122,8 +131,9 @@ class Watch:
                 self.every = 1
 
     def trust(self, model: nn.Module, logits: torch.Tensor) -> None:
-        """After the first step (prompts checked by the model): trust the loop's own tokens."""
-        self.trusted = self.every > 1 and _vocab_fits(model, logits)
+        """After the first step (prompts checked by the model): trust the loop's own tokens,
+        which are ids the model takes when its vocabulary covers every score's position."""
+        self.trusted = _vocab_fits(model, logits)
 
     def feeding(self) -> contextlib.AbstractContextManager:
         """The context of one model call: `values_trusted` once `trust` said so."""

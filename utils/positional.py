@@ -441,6 +441,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
             f"{shape_str(x)}, got {shape_str(positions)}"
         )
     theta = rope_angles(_batch_first(positions, x), d, base)  # (..., L, d/2), x's rank
+    return rotate_pairs(x, theta, layout)
+
+
+def rotate_pairs(x: torch.Tensor, theta: torch.Tensor, layout: str) -> torch.Tensor:
+    """`apply_rope`'s rotation, unchecked: x (..., L, d) by angles theta broadcastable to
+    (..., L, d/2) (float64, from `rope_angles`), pairs laid out as ``layout`` says. For callers
+    that checked their inputs once (`utils.decoding_plan`)."""
+    d = x.shape[-1]
     cos = torch.cos(theta).to(x.dtype)
     sin = torch.sin(theta).to(x.dtype)
     if layout == "half":

@@ -148,17 +148,31 @@ def _gpt2_model(s: dict) -> CheckpointLM:
 
 
 def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
-    """GPT-2's c_attn: W = [W_Q | W_K | W_V], (d, 3d), and its bias (3d,), split three ways."""
+    """GPT-2's c_attn: W = [W_Q | W_K | W_V], (d, 3d), and its bias (3d,), split three ways.
+
+    The three (d, d) weights (and biases) stay side by side in one tensor, as the checkpoint
+    stores them: each `nn.Linear` holds a view of its third, so that a decoding step can
+    compute the three projections as one product (`utils.decoding_plan`) without a copy."""
     d = attn.d_model
     parts = (attn.w_q, attn.w_k, attn.w_v)
 
-    def weight(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    def split(name: str, fused: torch.Tensor) -> None:
+        old = parts[0]._parameters[name]
         for i, lin in enumerate(parts):
-            set_param(lin, "weight", stored[:, i * d : (i + 1) * d].T, device, dtype)
+            setattr(lin, name, nn.Parameter(fused[i * d : (i + 1) * d],
+                                            requires_grad=old.requires_grad))
+
+    def weight(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        fused = torch.empty(3 * d, d, dtype=dtype, device=device)  # [W_Q; W_K; W_V], rows
+        with torch.no_grad():
+            fused.copy_(stored.T)
+        split("weight", fused)
 
     def bias(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-        for i, lin in enumerate(parts):
-            set_param(lin, "bias", stored[i * d : (i + 1) * d], device, dtype)
+        fused = torch.empty(3 * d, dtype=dtype, device=device)
+        with torch.no_grad():
+            fused.copy_(stored)
+        split("bias", fused)
 
     return {f"{prefix}.weight": ((d, 3 * d), weight), f"{prefix}.bias": ((3 * d,), bias)}
 
