@@ -9,7 +9,6 @@ the same ids. Nothing is downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -37,7 +36,6 @@ from utils.tokenizer import (  # noqa: E402
 )
 
 BOOK = Path(__file__).resolve().parent.parent / "book"
-SCRIPT = BOOK.parent / "scripts" / "bench_tokenizer.py"
 HELD_OUT = 13  # the chapter kept out of training, to encode as unseen text
 HOSTILE = {
     "empty": "",
@@ -378,23 +376,3 @@ def test_book_prose_selects_chapters_in_order_and_rejects_bad_ones(tmp_path):
         book_prose("1")
     with pytest.raises(ValueError, match="no book folder at"):
         book_prose(book=tmp_path / "nowhere")
-
-
-# The benchmark (scripts/bench_tokenizer.py): it runs and checks equality; timings are not tested
-
-
-def test_bench_tokenizer_runs_and_reports_every_figure():
-    spec = importlib.util.spec_from_file_location("bench_tokenizer", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    text = book_prose([1])[:4000]
-    result = bench.bench_tokenizer(text, 300, 1)
-    assert result["tokens"] == len(train_bpe(text, 300).encode(text)) > 0
-    assert result["chars"] == len(text) and result["tokenizers_threads"] == 1
-    for name in ("ours_cold", "ours_warm", "tokenizers"):
-        assert result[f"{name}_ms"] > 0 and result[f"{name}_tokens_per_s"] > 0
-    assert result["ratio_cold"] > 0 and result["ratio_warm"] > 0
-    table = bench.format_table(result)
-    assert "| ours, cold cache |" in table and "| tokenizers (Rust) |" in table
-    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
-        bench.bench_tokenizer(text, 300, 0)

@@ -358,12 +358,19 @@ def _apply_merges(word: list[int], ranks: dict[tuple[int, int], tuple[int, int]]
 
 
 def _check_ids(ids: object, size: int) -> list[int]:
-    """``ids`` (a sequence, a 1-D tensor or array) as a list of ints, each in [0, size)."""
+    """``ids`` (a sequence, a 1-D tensor or array) as a list of ints, each in [0, size).
+
+    The usual input, plain ints all in range, is checked in bulk: the set of their types, then
+    their min and max (three passes in C). Anything else goes through the loop, which accepts
+    other integers (NumPy's) and names the first bad id: a bool, a non-integer, or out of range.
+    """
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise InputTypeError(f"ids must be a sequence of int, got {type_name(ids)}")
-    ids = list(ids)
+    ids = ids if type(ids) is list else list(ids)
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < size):
+        return ids
     for position, index in enumerate(ids):
         if isinstance(index, bool) or not isinstance(index, numbers.Integral):
             raise InputTypeError(f"ids must be ints, got {index!r} at position {position}")
@@ -465,7 +472,7 @@ class ByteBPETokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes the ids stand for, joined: exact for every byte sequence."""
-        return b"".join(self._bytes[i] for i in _check_ids(ids, len(self._tokens)))
+        return b"".join(map(self._bytes.__getitem__, _check_ids(ids, len(self._tokens))))
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids`` (special tokens written out); invalid UTF-8 becomes U+FFFD."""
