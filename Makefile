@@ -142,9 +142,10 @@ train-distributed: venv
 check-devices: venv
 	$(PY) scripts/check_devices.py $(CHECK_ARGS)
 
-# Speed and memory of the attention code, each a ratio against PyTorch's counterpart, into
-# _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--device cuda", "--repeats 9",
-# "--threads 1" (steadier times on a busy machine), "--out FILE.md".
+# Speed and memory of the book's code against the code a user would pick: one thread, the
+# contenders interleaved in rounds, per-round CPU-time ratios, outputs asserted equal; into
+# _build/bench/benchmark.md and .json. BENCH_ARGS: "--quick", "--only a,d", "--rounds 9",
+# "--device cuda", "--out FILE.md". Chapter 13 reads book/data/bench/benchmark.json, a full run.
 bench: venv
 	$(PY) scripts/benchmark.py $(BENCH_ARGS)
 

@@ -362,7 +362,11 @@ def run(groups: str, quick: bool, rounds: int | None, device: torch.device) -> l
     if "e" in groups and cpu:
         import bench_tokenizer
 
-        rows += bench_tokenizer.bench_tokenizer_rows(quick=quick, rounds=rounds)
+        from utils.data import book_prose
+
+        t = bench_tokenizer.QUICK if quick else bench_tokenizer.FULL
+        rows += bench_tokenizer.bench_tokenizer_rows(book_prose(t["chapters"]), t["vocab"],
+                                                     max(rounds, t["rounds"]), quick)
     if "f" in groups and cpu:
         rows += dec.gpt2_rows(dec.GPT2_QUICK if quick else dec.GPT2, min(rounds, 3), quick)
     return rows
