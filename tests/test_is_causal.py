@@ -195,6 +195,8 @@ def test_is_causal_errors():
         mha(x, x, x, is_causal="yes")
     with pytest.raises(InputTypeError, match="is_causal must be True or False, got None"):
         EncoderLayer(8, 2, 16)(x, is_causal=None)
+    with pytest.raises(InputTypeError, match="mask must be a bool tensor"):
+        mark_causal(torch.ones(3, 3).tril())
     with pytest.raises(InputTypeError, match="tgt_is_causal must be True or False, got 1"):
         DecoderLayer(8, 2, 16)(x, memory, tgt_is_causal=1)
 

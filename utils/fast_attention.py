@@ -8,7 +8,8 @@ returns the output only: the L_q x L_k weights are never kept, and most of these
 
 * `fused_attention`: PyTorch's fused kernel (``F.scaled_dot_product_attention``), the default
   path of `utils.attention.MultiHeadAttention` (chapter 13), with its causal kernel
-  (``is_causal=True``) for causal attention, declared or recognized (`causal_attention_mask`).
+  (``is_causal=True``) for causal attention, declared by ``is_causal`` or recognized by the
+  mark of the library's causal masks (`utils.masks.is_marked_causal`).
 * `memory_efficient_attention`: blocks of queries and keys and the online softmax, the idea of
   FlashAttention, in O(block_q * block_k + L_q * d_v) extra memory (chapter 13).
 * `local_attention`: banded attention in O(L * window) time and memory (chapter 11).

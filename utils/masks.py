@@ -114,7 +114,11 @@ def mark_causal(mask: torch.Tensor) -> torch.Tensor:
     L = 2048. The caller vouches that ``mask``'s last two dims are a square causal mask (True
     on and below the diagonal) broadcast over any leading dims of size 1. A tensor made under
     ``torch.inference_mode()`` has no version counter and is left unmarked.
+
+    Raises:
+        InputTypeError: when ``mask`` is not a bool tensor.
     """
+    _require_bool("mask", mask)
     if not mask.is_inference():
         setattr(mask, _MARK, (mask._version, mask.data_ptr()))
     return mask
