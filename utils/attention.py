@@ -32,7 +32,7 @@ from ._validation import (
     shape_str,
 )
 from .convert import copy_multihead_attention, match_bias
-from .fast_attention import fused_attention
+from .fast_attention import causal_attention_mask, fused_attention
 from .kv_cache import KVCache
 from .masks import expand_mask
 
@@ -46,6 +46,7 @@ def scaled_dot_product_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d_k)) v, with an optional bool mask.
 
@@ -56,6 +57,9 @@ def scaled_dot_product_attention(
         mask: optional bool tensor broadcastable to (..., L_q, L_k); True = may attend.
         dropout_p: probability of dropping an attention weight (applied after the softmax, with
             the survivors scaled by 1 / (1 - p)); a number in [0, 1), 0 disables it.
+        is_causal: causal attention: query i attends to keys up to its own position, the
+            queries being the last L_q of the L_k positions (the mask of
+            `utils.fast_attention.causal_attention_mask`, ANDed with ``mask`` if given).
 
     Returns:
         ``(output, weights)``: output of shape (..., L_q, d_v) and weights of shape
@@ -71,10 +75,13 @@ def scaled_dot_product_attention(
             and v are not floating point or differ in dtype or device, the mask is not bool or
             not on their device, or ``dropout_p`` is not a number.
         ValueError: when the ranks, d_k (which must be at least 1), L_k, the batch dims or the
-            mask's shape do not fit together, or ``dropout_p`` is outside [0, 1).
+            mask's shape do not fit together, ``dropout_p`` is outside [0, 1), or
+            ``is_causal`` comes with L_q > L_k.
     """
     _, mask = require_qkv(q, k, v, mask)
     dropout_p = require_probability("dropout_p", dropout_p)
+    if require_bool("is_causal", is_causal):
+        mask = causal_attention_mask(q, k, mask)
 
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., L_q, L_k)
@@ -110,8 +117,11 @@ def keep_attention_weights(module: nn.Module, keep: bool = True) -> nn.Module:
     return module
 
 
-def _check_qkv(module: nn.Module, query: object, key: object, value: object) -> None:
-    """Validate the (B, L_q, d_model) query and (B, L_k, d_model) key and value of a module."""
+def _check_qkv(module: nn.Module, query: object, key: object, value: object,
+               is_causal: object = False) -> None:
+    """Validate the (B, L_q, d_model) query and (B, L_k, d_model) key and value of a module,
+    and its ``is_causal`` flag (a bool)."""
+    require_bool("is_causal", is_causal)
     d_model = module.d_model
     for name, t in (("query", query), ("key", key), ("value", value)):
         require_tensor(name, t)
@@ -239,6 +249,7 @@ class _Attention(nn.Module):
         value: torch.Tensor,
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        is_causal: bool = False,
     ) -> torch.Tensor:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -262,6 +273,10 @@ class _Attention(nn.Module):
                 all the stored ones; a filled ``static`` cache is used as it is (``key`` and
                 ``value`` are then only checked). A `GroupedQueryAttention`'s cache stores only
                 its ``num_kv_heads`` key/value heads, before they are repeated: a smaller cache.
+            is_causal: causal attention, exactly (not a hint as in nn.MultiheadAttention): query
+                i sees the keys up to its own position, the queries being the last L_q of the
+                L_k positions (after the cached ones); with ``mask`` too, both apply. Without
+                mask and cache it runs PyTorch's causal kernel, as `utils.masks.causal_mask` does.
 
         Returns:
             (B, L_q, d_model). A query with no allowed key (every key masked, or L_k = 0) gets
@@ -271,9 +286,9 @@ class _Attention(nn.Module):
         Raises:
             InputTypeError: for a non-tensor, a dtype or device other than the parameters', or a
                 mask that is not bool or not on the inputs' device.
-            ValueError: for shapes that do not fit, or a mask that is ambiguous or does not fit.
+            ValueError: for shapes, masks (ambiguous too) or an ``is_causal`` that do not fit.
         """
-        _check_qkv(self, query, key, value)
+        _check_qkv(self, query, key, value, is_causal)
         if cache is None:
             mask = _read_mask(mask, query, key.shape[1], self.num_heads)
             k, v = self._project_kv(key, value, None)
@@ -284,10 +299,10 @@ class _Attention(nn.Module):
         k, v = self._expand_kv(k, v)
         p = self.dropout if self.training else 0.0
         if self.keep_weights:
-            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
+            out, weights = scaled_dot_product_attention(q, k, v, mask, p, is_causal)
             self.attn_weights = weights.detach()
         else:
-            out = fused_attention(q, k, v, mask, dropout_p=p)
+            out = fused_attention(q, k, v, mask, dropout_p=p, is_causal=is_causal)
             self.attn_weights = None
         return self.w_o(self._merge(out))
 

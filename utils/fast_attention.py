@@ -7,7 +7,9 @@ the same degenerate cases (a query row with no allowed key gets a zero output, n
 returns the output only: the L_q x L_k weights are never kept, and most of these never form them.
 
 * `fused_attention`: PyTorch's fused kernel (``F.scaled_dot_product_attention``), the default
-  path of `utils.attention.MultiHeadAttention` (chapter 13).
+  path of `utils.attention.MultiHeadAttention` (chapter 13), with its causal kernel
+  (``is_causal=True``) for causal attention, declared by ``is_causal`` or recognized by the
+  mark of the library's causal masks (`utils.masks.is_marked_causal`).
 * `memory_efficient_attention`: blocks of queries and keys and the online softmax, the idea of
   FlashAttention, in O(block_q * block_k + L_q * d_v) extra memory (chapter 13).
 * `local_attention`: banded attention in O(L * window) time and memory (chapter 11).
@@ -32,9 +34,59 @@ from ._validation import (
     require_qkv,
     shape_str,
 )
+from .masks import is_marked_causal
 
-__all__ = ["fused_attention", "memory_efficient_attention", "local_attention",
-           "split_k_attention", "online_softmax_step", "online_softmax_finish"]
+__all__ = ["fused_attention", "causal_attention_mask", "memory_efficient_attention",
+           "local_attention", "split_k_attention", "online_softmax_step",
+           "online_softmax_finish"]
+
+
+def causal_attention_mask(q: torch.Tensor, k: torch.Tensor,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The explicit mask that ``is_causal=True`` stands for, combined with ``mask`` if given.
+
+    The L_q queries are the last L_q of the L_k positions (bottom-right alignment): query i sits
+    at position L_k - L_q + i and may attend to keys 0 .. L_k - L_q + i. With L_q == L_k this is
+    the usual causal mask; with L_q < L_k the queries follow L_k - L_q earlier positions, as
+    new tokens follow a key/value cache. (PyTorch's own ``is_causal`` aligns top-left, so
+    `fused_attention` hands it only the square case.) A ``mask`` narrows it further: the result
+    is ``causal & mask``, e.g. causal attention that also skips padding.
+
+    Args:
+        q: (..., L_q, d_k); k: (..., L_k, d_k); only their lengths and device are read.
+        mask: optional bool mask broadcastable to (..., L_q, L_k), True = may attend.
+
+    Returns:
+        Bool (L_q, L_k), or the broadcast shape of (L_q, L_k) and ``mask``.
+
+    Raises:
+        ValueError: when L_q > L_k: the queries cannot be the last L_q of L_k positions.
+    """
+    l_q, l_k = q.shape[-2], k.shape[-2]
+    if l_q > l_k:
+        raise ValueError(
+            f"is_causal=True needs L_q <= L_k (the queries are the last L_q of the L_k "
+            f"positions): q is {shape_str(q)} (L_q={l_q}), k is {shape_str(k)} (L_k={l_k})"
+        )
+    causal = torch.ones(l_q, l_k, dtype=torch.bool, device=q.device).tril(l_k - l_q)
+    return causal if mask is None else causal & mask
+
+
+def _read_causal(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                 is_causal: object) -> tuple[torch.Tensor | None, bool]:
+    """What the kernel is given for a ``mask`` and an ``is_causal`` flag: ``(None, True)`` for
+    plain causal attention with L_q == L_k, declared or a mask of `utils.masks.mark_causal`;
+    otherwise ``(mask, False)`` with causality, if declared, written into the mask."""
+    require_bool("is_causal", is_causal)
+    l_q, l_k = q.shape[-2], k.shape[-2]
+    if is_causal:
+        if mask is None and l_q == l_k:
+            return None, True
+        return causal_attention_mask(q, k, mask), False
+    if (mask is not None and l_q == l_k and mask.shape[-2:] == (l_q, l_k)
+            and all(n == 1 for n in mask.shape[:-2]) and is_marked_causal(mask)):
+        return None, True  # the library's own causal mask, unedited: O(1) to recognize
+    return mask, False
 
 
 def fused_attention(
@@ -43,6 +95,7 @@ def fused_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    is_causal: bool = False,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention`'s output, computed by PyTorch's fused kernel.
 
@@ -57,24 +110,37 @@ def fused_attention(
         q: (..., L_q, d_k); k: (..., L_k, d_k); v: (..., L_k, d_v), one dtype and device.
         mask: optional bool mask broadcastable to (..., L_q, L_k), True = may attend.
         dropout_p: dropout on the weights, in [0, 1) (the kernel's own random numbers).
+        is_causal: causal attention, exactly (not a hint): query i may attend to keys up to
+            its own position, the queries being the last L_q of the L_k positions (see
+            `causal_attention_mask`); with a ``mask`` too, both apply. With L_q == L_k and no
+            mask the kernel runs with ``is_causal=True`` and never reads an L x L mask.
+
+    The causal kernel also runs when ``mask`` is the library's own causal mask
+    (`utils.masks.causal_mask`, or a model's), recognized in O(1) by its mark
+    (`utils.masks.is_marked_causal`) while it is unedited and square with only size-1 leading
+    dims; any other mask, or one written into since it was made, is read as it is.
 
     Returns:
-        (..., L_q, d_v).
+        (..., L_q, d_v). On a CPU the causal kernel gives the same output and gradients as the
+        explicit mask to the bit; elsewhere to float rounding.
 
     Raises:
-        InputTypeError, ValueError: as `scaled_dot_product_attention`.
+        InputTypeError, ValueError: as `scaled_dot_product_attention`; also for an
+            ``is_causal`` that is not a bool, and a ValueError for ``is_causal`` with
+            L_q > L_k.
     """
     batch, mask = require_qkv(q, k, v, mask)
     dropout_p = require_probability("dropout_p", dropout_p)
+    mask, is_causal = _read_causal(q, k, mask, is_causal)
     q, k, v = (t.expand(*batch, *t.shape[-2:]) for t in (q, k, v))
     if q.numel() == 0 or k.shape[-2] == 0:
         # Chapter 1's function defines these degenerate cases (zeros, and zero gradients); it
         # imports this module for its modules' fast path, hence the import here.
         from .attention import scaled_dot_product_attention
 
-        return scaled_dot_product_attention(q, k, v, mask, dropout_p)[0]
+        return scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=is_causal)[0]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
     has_key = mask.any(dim=-1, keepdim=True)  # (..., L_q, 1)
     if mask.device.type == "cpu" and has_key.all():
         # Every query sees a key (a causal mask always does): nothing to open or zero, and three

@@ -52,6 +52,8 @@ __all__ = [
     "to_additive_mask",
     "from_additive_mask",
     "expand_mask",
+    "mark_causal",
+    "is_marked_causal",
 ]
 
 
@@ -86,13 +88,50 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
          [True, True,  False],
          [True, True,  True ]]
 
+    The mask is marked (`mark_causal`): while it is not written into, `utils.fast_attention.
+    fused_attention` and the attention modules recognize it and run PyTorch's causal kernel,
+    ``is_causal=True``, instead of reading it; the output is the same.
+
     Args:
         length: L, a positive int (a float such as 2.5, a bool or 0 raises).
         device: where to make the mask (a `torch.device`, a string such as "cpu", or None).
     """
     length = require_int("length", length)
     device = require_device("device", device)
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return mark_causal(torch.ones(length, length, dtype=torch.bool, device=device).tril())
+
+
+_MARK = "_causal_mark"  # the attribute that `mark_causal` sets on a tensor
+
+
+def mark_causal(mask: torch.Tensor) -> torch.Tensor:
+    """Mark ``mask``, a causal mask just built, so that the attention can recognize it; returns it.
+
+    The mark records the tensor's version counter (``mask._version``, which every in-place write
+    bumps, through any view of it) and where its data lie: `is_marked_causal` holds only while
+    both are unchanged, so a mask edited after marking is read entry by entry again. Checking
+    the L x L entries at each call instead would cost about a tenth of an attention at
+    L = 2048. The caller vouches that ``mask``'s last two dims are a square causal mask (True
+    on and below the diagonal) broadcast over any leading dims of size 1. A tensor made under
+    ``torch.inference_mode()`` has no version counter and is left unmarked.
+
+    Raises:
+        InputTypeError: when ``mask`` is not a bool tensor.
+    """
+    _require_bool("mask", mask)
+    if not mask.is_inference():
+        setattr(mask, _MARK, (mask._version, mask.data_ptr()))
+    return mask
+
+
+def is_marked_causal(mask: object) -> bool:
+    """Whether ``mask`` is a causal mask marked by `mark_causal` and not written into since.
+
+    O(1): it reads the mark, never the entries. A write through ``mask.data`` (which has a
+    version counter of its own, as autograd's checks also ignore) goes unseen.
+    """
+    mark = getattr(mask, _MARK, None)
+    return mark is not None and mark == (mask._version, mask.data_ptr())
 
 
 def padding_mask(lengths: torch.Tensor | list[int], max_len: int | None = None) -> torch.Tensor:
@@ -412,7 +451,8 @@ def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
                 f"Write a padding mask as {name}[:, None, :] and a shared mask as {name}[None]"
             )
         if as_shared:
-            return mask[None, None, :, :]  # (1, 1, L_q, L_k)
+            shared = mask[None, None, :, :]  # (1, 1, L_q, L_k)
+            return mark_causal(shared) if is_marked_causal(mask) else shared
         if as_padding:
             return padding_to_attention_mask(mask)  # (B, 1, 1, L_k)
         raise ValueError(
@@ -434,4 +474,7 @@ def expand_mask(mask: torch.Tensor | None, batch: int, l_q: int, l_k: int,
         raise ValueError(
             f"{name} of shape {shape_str(mask)} does not broadcast to {desc}" + accepted
         )
-    return mask.unsqueeze(1) if mask.dim() == 3 else mask
+    if mask.dim() == 4:
+        return mask
+    out = mask.unsqueeze(1)
+    return mark_causal(out) if is_marked_causal(mask) else out

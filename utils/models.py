@@ -40,6 +40,7 @@ from ._validation import (
     values_are_trusted,
 )
 from .kv_cache import DecoderCache
+from .masks import mark_causal
 from .positional import SinusoidalPositionalEncoding, TokenEmbedding
 from .transformer import Encoder, Transformer
 from .transformer_layers import _check_input, _check_same_batch
@@ -95,11 +96,15 @@ def _self_mask(past: int, length: int, pad: torch.Tensor | None, cache: DecoderC
                device: torch.device) -> torch.Tensor | None:
     """The causal self-attention mask (1 or B, L, past + L), with the (B, past + L) padding mask
     ``pad`` if given. None for one new token fed to a cache without padding: it may see every
-    position, and skipping an all-True mask saves work at every step of generation."""
+    position, and skipping an all-True mask saves work at every step of generation. Without a
+    cache or padding the mask is marked (`utils.masks.mark_causal`): the attention recognizes
+    it and runs PyTorch's causal kernel instead of reading it, to the same output."""
     if cache is not None and length == 1 and pad is None:
         return None
     attn = _causal_after(past, length, device)
-    return attn if pad is None else attn & pad[:, None, :]
+    if pad is not None:
+        return attn & pad[:, None, :]
+    return mark_causal(attn) if cache is None else attn
 
 
 def _check_cache(cache: object, tokens: torch.Tensor) -> DecoderCache:

@@ -236,14 +236,15 @@ class EncoderLayer(_Layer):
     torch_cls = nn.TransformerEncoderLayer
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
-                  cache: KVCache | None = None) -> torch.Tensor:
-        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache))
+                  cache: KVCache | None = None, is_causal: bool = False) -> torch.Tensor:
+        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache,
+                                                           is_causal=is_causal))
 
     def _ff_block(self, x: torch.Tensor) -> torch.Tensor:
         return apply_dropout(self.dropout2, self.ff(x))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, is_causal: bool = False) -> torch.Tensor:
         """Run the layer.
 
         Args:
@@ -254,18 +255,21 @@ class EncoderLayer(_Layer):
             cache: optional `utils.kv_cache.KVCache` of this layer's self-attention: ``x`` is
                 then only the new positions, whose keys and values are appended to it (used by
                 a decoder-only model generating text one token at a time).
+            is_causal: causal self-attention, exactly as in `MultiHeadAttention` (with ``mask``
+                too, both apply); torch's layer takes the same flag as a hint about its mask.
 
         Returns:
             (B, L, d_model).
         """
         _check_input("x", x, self)
+        require_bool("is_causal", is_causal)
         l_k = x.shape[1] + (0 if cache is None else require_kv_cache(cache).length)
         mask = _read_mask("mask", mask, x, x.shape[1], l_k)
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), mask, cache)
+            x = x + self._sa_block(self.norm1(x), mask, cache, is_causal)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, mask, cache))
+            x = self.norm1(x + self._sa_block(x, mask, cache, is_causal))
             x = self.norm2(x + self._ff_block(x))
         return x
 
@@ -316,8 +320,9 @@ class DecoderLayer(_Layer):
     torch_cls = nn.TransformerDecoderLayer
 
     def _sa_block(self, x: torch.Tensor, mask: torch.Tensor | None,
-                  cache: KVCache | None = None) -> torch.Tensor:
-        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache))
+                  cache: KVCache | None = None, is_causal: bool = False) -> torch.Tensor:
+        return apply_dropout(self.dropout1, self.self_attn(x, x, x, mask, cache=cache,
+                                                           is_causal=is_causal))
 
     def _ca_block(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None = None) -> torch.Tensor:
@@ -328,7 +333,7 @@ class DecoderLayer(_Layer):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                memory_cache: KVCache | None = None) -> torch.Tensor:
+                memory_cache: KVCache | None = None, tgt_is_causal: bool = False) -> torch.Tensor:
         """Run the layer.
 
         Args:
@@ -343,19 +348,23 @@ class DecoderLayer(_Layer):
                 the new positions).
             memory_cache: optional static `utils.kv_cache.KVCache` of the cross-attention: the
                 memory's keys and values, computed on the first call and reused afterwards.
+            tgt_is_causal: causal self-attention, exactly (with ``tgt_mask`` too, both apply):
+                as ``is_causal`` of `MultiHeadAttention`. A ``tgt_mask`` made by
+                `utils.masks.causal_mask` runs the same fast kernel without it.
 
         Returns:
             (B, L_t, d_model).
         """
+        require_bool("tgt_is_causal", tgt_is_causal)
         past = 0 if cache is None else require_kv_cache(cache).length
         tgt_mask, memory_mask = _check_decoder_inputs(self, x, memory, tgt_mask, memory_mask,
                                                       past=past)
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), tgt_mask, cache)
+            x = x + self._sa_block(self.norm1(x), tgt_mask, cache, tgt_is_causal)
             x = x + self._ca_block(self.norm2(x), memory, memory_mask, memory_cache)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, tgt_mask, cache))
+            x = self.norm1(x + self._sa_block(x, tgt_mask, cache, tgt_is_causal))
             x = self.norm2(x + self._ca_block(x, memory, memory_mask, memory_cache))
             x = self.norm3(x + self._ff_block(x))
         return x
