@@ -53,9 +53,9 @@ CH10 = {"vocab": 50, "d_model": 32, "heads": 4, "layers": 2, "prompt": 16, "new_
 CH10_QUICK = {**CH10, "layers": 1, "prompt": 4, "new_tokens": 6, "batches": [1, 2]}
 GPT2 = [
     {"name": "25M", "d_model": 320, "heads": 5, "layers": 6, "vocab": 50257, "prompt": 16,
-     "new_tokens": 128, "batches": [1, 8]},
+     "new_tokens": 64, "batches": [1, 8]},
     {"name": "GPT-2 small (124M)", "d_model": 768, "heads": 12, "layers": 12, "vocab": 50257,
-     "prompt": 16, "new_tokens": 64, "batches": [1, 8]},
+     "prompt": 16, "new_tokens": 48, "batches": [1, 8]},
 ]
 GPT2_QUICK = [{"name": "tiny", "d_model": 32, "heads": 2, "layers": 1, "vocab": 101, "prompt": 4,
                "new_tokens": 6, "batches": [1, 2]}]
