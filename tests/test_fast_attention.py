@@ -206,6 +206,160 @@ def test_memory_efficient_never_builds_a_full_score_matrix():
     assert not too_big
 
 
+def _changed_inputs(fn, q, k, v, mask):
+    """The names of the inputs that ``fn(q, k, v, mask)`` wrote to (an empty list: none)."""
+    before = {name: t.clone() for name, t in zip("qkvm", (q, k, v, mask), strict=True)}
+    fn(q, k, v, mask)
+    return [
+        name
+        for name, t in zip("qkvm", (q, k, v, mask), strict=True)
+        if not torch.equal(t, before[name])
+    ]
+
+
+def _peak_live_bytes(fn, *inputs):
+    """The most bytes that the tensors made by ``fn(*inputs)`` held at once (inputs excluded)."""
+    import weakref
+
+    live, peak, seen = [0], [0], {t.untyped_storage().data_ptr() for t in inputs}
+
+    def freed(key, size):
+        live[0] -= size
+        seen.discard(key)
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    key, size = storage.data_ptr(), storage.nbytes()
+                    if key not in seen and size > 0:
+                        seen.add(key)
+                        live[0] += size
+                        peak[0] = max(peak[0], live[0])
+                        weakref.finalize(storage, freed, key, size)
+            return out
+
+    with Count():
+        fn(*inputs)
+    return peak[0]
+
+
+@pytest.mark.parametrize("mask_kind", [None, "causal", "empty_rows", "late_key"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_memory_efficient_in_place_path_equals_autograd_path(mask_kind, dtype, monkeypatch):
+    """Without autograd the tiles are worked on in place; with it, out of place. Same output."""
+    import utils.fast_attention as fa
+
+    batch, l_q, l_k = (2, 3), 37, 29
+    q, k, v = _qkv(batch, l_q, l_k, 8, 5, dtype=dtype)
+    mask = _mask(mask_kind, batch, l_q, l_k)
+    calls = []
+    for name in ("online_softmax_step", "_online_softmax_step_"):
+        real = getattr(fa, name)
+        monkeypatch.setattr(
+            fa, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1]
+        )
+    for block in (4, (16, 5), 64):
+        calls.clear()
+        with torch.no_grad():
+            fast = memory_efficient_attention(q, k, v, mask, block_size=block)
+        assert set(calls) == {"_online_softmax_step_"}, f"no_grad used {set(calls)}"
+        calls.clear()
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        slow = memory_efficient_attention(qg, kg, vg, mask, block_size=block)
+        assert set(calls) == {"online_softmax_step"}, f"autograd used {set(calls)}"
+        assert slow.requires_grad and not fast.requires_grad
+        assert not fast.isnan().any(), f"NaN in the in-place output, block {block}"
+        torch.testing.assert_close(
+            fast,
+            slow.detach(),
+            atol=ATOL[dtype],
+            rtol=0,
+            msg=f"in place vs autograd, block {block}",
+        )
+        torch.testing.assert_close(
+            fast,
+            _plain(q, k, v, mask),
+            atol=ATOL[dtype],
+            rtol=0,
+            msg=f"in place vs plain attention, block {block}",
+        )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_efficient_gradients_match_torch_sdpa(causal):
+    import torch.nn.functional as F
+
+    q, k, v = _qkv((2, 2), 33, 33, 8, 6, dtype=torch.float64, grad=True)
+    mask = causal_mask(33) if causal else None
+    g = torch.randn(2, 2, 33, 6, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ours = memory_efficient_attention(q, k, v, mask, block_size=(8, 5))
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0, msg="output")
+    grads_ref = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    grads_ours = torch.autograd.grad((ours * g).sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads_ours, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"grad of {name}")
+
+
+def test_memory_efficient_in_place_path_leaves_the_inputs_alone(monkeypatch):
+    import utils.fast_attention as fa
+
+    q, k, v = _qkv((2, 2), 20, 24, 8, 8)
+    mask = _mask("random", (2, 2), 20, 24)
+    for block in (4, (7, 24), 64):  # 64: one tile covers everything (views of whole inputs)
+        with torch.no_grad():
+            changed = _changed_inputs(
+                lambda *a, b=block: memory_efficient_attention(*a, block_size=b), q, k, v, mask
+            )
+        assert not changed, f"block {block}: the no-grad path wrote to {changed}"
+        changed = _changed_inputs(  # no input requires grad: the in-place path as well
+            lambda *a, b=block: memory_efficient_attention(*a, block_size=b), q, k, v, mask
+        )
+        assert not changed, f"block {block}: the in-place path wrote to {changed}"
+
+    # The check can fail: a step that writes into its block of values is caught.
+    real = fa._online_softmax_step_
+
+    def writes_to_v(m, l_sum, acc, scores, v_blk):
+        v_blk.mul_(2)
+        return real(m, l_sum, acc, scores, v_blk)
+
+    monkeypatch.setattr(fa, "_online_softmax_step_", writes_to_v)
+    with torch.no_grad():
+        assert _changed_inputs(memory_efficient_attention, q, k, v, mask) == ["v"]
+
+
+def test_memory_efficient_no_grad_holds_the_output_and_one_tile():
+    """Without autograd the call's tensors peak at the output, one tile and a few (block_q, d)
+    rows: no second copy of the output (a list joined by torch.cat), no second tile alive."""
+    batch, l_q, l_k, d_k, d_v, block = (2,), 512, 256, 8, 32, 64
+    q, k, v = _qkv(batch, l_q, l_k, d_k, d_v)
+    out_bytes, tile_bytes = 2 * l_q * d_v * 4, 2 * block * block * 4
+    rows_bytes = 2 * block * (d_k + 2 * d_v) * 4  # scaled q block, accumulator, p @ v
+    bound = out_bytes + tile_bytes + rows_bytes + 8 * 1024  # + the (block_q, 1) statistics
+    with torch.no_grad():
+        peak = _peak_live_bytes(
+            lambda q, k, v: memory_efficient_attention(q, k, v, block_size=block), q, k, v
+        )
+    assert peak <= bound, (
+        f"peak {peak} B over output {out_bytes} + tile {tile_bytes} + rows "
+        f"{rows_bytes} + 8 KiB = {bound} B"
+    )
+
+    def two_copies(q, k, v):  # what a list of blocks joined by torch.cat holds at its end
+        parts = [
+            memory_efficient_attention(q[..., i : i + block, :], k, v, block_size=block)
+            for i in range(0, l_q, block)
+        ]
+        return torch.cat(parts, dim=-2)
+
+    with torch.no_grad():
+        assert _peak_live_bytes(two_copies, q, k, v) > bound  # the bound can fail
+
+
 def test_memory_efficient_errors():
     q, k, v = _qkv((2,), 4, 5, 3, 3)
     with pytest.raises(ValueError, match="block_size"):
