@@ -9,8 +9,9 @@
     (124M). Ours against ``GPT2LMHeadModel.generate`` with each attention implementation
     (``"eager"``, ``"sdpa"``) and against a bare cached loop on the checkpoint's tensors. At
     batch 1 decoding reads every weight once per token, so its speed has a ceiling: the
-    memory bandwidth over the bytes read per token, both printed; the row gives the fraction
-    of that ceiling each contender reaches.
+    memory bandwidth (the fastest of three ways of reading, `read_bandwidths`) over the bytes
+    read per token, both printed; the row gives the fraction of that ceiling each contender
+    reaches.
 
 Every contender makes exactly ``new_tokens`` tokens per row (no end token can stop one), and
 the tokens must be identical across all of them (`scripts/bench_harness.interleave` checks it
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -208,23 +210,29 @@ def bare_gpt2_loop(sd: dict, s: dict, prompts: torch.Tensor, new_tokens: int) ->
     return torch.stack(out, 1).tolist()
 
 
-def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes per second one thread reads from memory: the best of ``repeats`` passes, as a
-    matrix-vector product (what a decoding step does with each weight) and as a sum, over a
-    float32 tensor of ``mib`` MiB, far larger than any cache. The higher figure is kept: the
-    ceiling it gives is then the harder one to reach."""
+def read_bandwidths(mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Bytes per second one thread reads from memory, by three ways of reading a float32 matrix
+    of ``mib`` MiB (far larger than any cache), the best of ``repeats`` passes each: a vector
+    times the matrix stored row by row (``x @ W``, each row scaled and added: GPT-2's layout),
+    the matrix times a vector (``W @ x``, a dot product per row: ``nn.Linear``'s), and a sum.
+    The ceiling of `gpt2_rows` uses the fastest: the one hardest to reach."""
     cols = 768
     w = torch.randn(mib * 2**20 // 4 // cols, cols)
+    rows_first = w.T.contiguous()  # (cols, rows): x @ rows_first reads it row by row
     x = torch.randn(1, cols)
-    best = float("inf")
+    ways = {"x @ W": lambda: x @ rows_first, "W @ x": lambda: F.linear(x, w),
+            "sum": lambda: w.sum()}
+    found = {}
     with torch.inference_mode():
-        for fn in (lambda: F.linear(x, w), lambda: w.sum()):
+        for name, fn in ways.items():
             fn()
+            best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
                 fn()
                 best = min(best, time.perf_counter() - start)
-    return w.numel() * 4 / best
+            found[name] = w.numel() * 4 / best
+    return found
 
 
 def bytes_per_token(sd: dict, s: dict, batch: int) -> float:
@@ -252,7 +260,7 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    bandwidth = read_bandwidth(32 if quick else 512)
+    mib = 32 if quick else 256
     rows = []
     for s in configs:
         with tempfile.TemporaryDirectory() as folder:
@@ -269,21 +277,41 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(0, s["vocab"], (batch, s["prompt"]), generator=g)
 
+            # The bandwidth of this machine drifts (other programs read memory too): it is
+            # measured in every round, untimed, just before ours runs, and each round's
+            # fractions use that round's ceiling.
+            reads: list[dict[str, float]] = []
+
+            def read(name: str, reads: list = reads, batch: int = batch) -> None:
+                if name == "ours" and batch == 1:
+                    reads.append(read_bandwidths(mib, 2))
+
             timings = interleave({
                 "ours": partial(generate, ours, prompts, n, eos=NEVER),
                 "transformers (sdpa)": partial(_hf_generate, theirs["sdpa"], prompts, n),
                 "transformers (eager)": partial(_hf_generate, theirs["eager"], prompts, n),
                 "bare loop": partial(bare_gpt2_loop, sd, s, prompts, n),
-            }, rounds)
+            }, rounds, before=read)
             made = batch * n
             per_token = bytes_per_token(sd, s, batch)
-            ceiling = bandwidth / per_token  # steps per second at most
             case = (f"{s['name']}: B={batch}, prompt {s['prompt']}, {n} new tokens, "
                     f"d={s['d_model']}, {s['layers']} layers, {params / 1e6:.1f}M parameters")
-            fractions = {name: (n / t.cpu_median) / ceiling for name, t in timings.items()}
             extra = {"tokens_per_s": {k: made / t.cpu_median for k, t in timings.items()},
-                     "bandwidth_gb_s": bandwidth / 1e9, "bytes_per_token": per_token,
-                     "ceiling_steps_per_s": ceiling, "fraction_of_ceiling": fractions}
+                     "bytes_per_token": per_token}
+            fractions = {}
+            if reads:
+                per_round = [max(r.values()) for r in reads[1:]]  # the warm-up's dropped
+                bandwidth = statistics.median(per_round)
+                fractions = {name: statistics.median(  # steps per second over the ceiling
+                    n / t / (bw / per_token) for t, bw in zip(timing.cpu, per_round,
+                                                              strict=True))
+                    for name, timing in timings.items()}
+                extra |= {"bandwidth_gb_s": bandwidth / 1e9,
+                          "bandwidth_range_gb_s": [min(per_round) / 1e9, max(per_round) / 1e9],
+                          "bandwidths_gb_s": {k: statistics.median(r[k] for r in reads[1:])
+                                              / 1e9 for k in reads[0]},
+                          "ceiling_steps_per_s": bandwidth / per_token,
+                          "fraction_of_ceiling": fractions}
             small = s["name"].startswith("GPT-2 small")
             for ref in ("transformers (sdpa)", "transformers (eager)", "bare loop"):
                 summary = ratio_summary(timings, "ours", ref)
@@ -296,10 +324,14 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                     goal_value = fractions["ours"]
                     goal_met = None if quick else goal_value >= BANDWIDTH_GOAL
                 note = ""
-                if batch == 1:
-                    note = (f"ceiling: {bandwidth / 1e9:.1f} GB/s over {per_token / 1e6:.0f} MB "
-                            f"per token = {ceiling:.1f} tokens/s; reached: " + ", ".join(
-                                f"{k} {v:.0%}" for k, v in fractions.items()))
+                if fractions:
+                    low, high = extra["bandwidth_range_gb_s"]
+                    ways = ", ".join(f"{k} {v:.1f}" for k, v in extra["bandwidths_gb_s"].items())
+                    note = (f"ceiling: {bandwidth / 1e9:.1f} GB/s (median over the rounds, "
+                            f"{low:.1f} to {high:.1f}; the fastest of {ways} GB/s) over "
+                            f"{per_token / 1e6:.0f} MB per token = "
+                            f"{extra['ceiling_steps_per_s']:.1f} tokens/s; reached (median per "
+                            f"round): " + ", ".join(f"{k} {v:.0%}" for k, v in fractions.items()))
                 rows.append(make_row(
                     "(f) decoding, GPT-2", case, "load_gpt2 + generate", ref, summary,
                     setup="1 thread, greedy, inference mode, float32", same="tokens identical",

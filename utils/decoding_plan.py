@@ -97,11 +97,16 @@ def _fused_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` (along dim 0), as a view of their storage when they are its
-    consecutive, contiguous pieces."""
+    consecutive pieces: the same strides, each starting where the one before ends (rows of one
+    contiguous matrix, or, as `utils.pretrained` loads GPT-2, the (d, d) transposed thirds of
+    one (d, 3d) matrix); else a copy."""
     first = parts[0]
-    adjacent = all(p.is_contiguous() for p in parts) and all(
-        b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and b.storage_offset() == a.storage_offset() + a.numel()
+    step = first.stride(0)
+    adjacent = all(
+        p.stride() == first.stride() and p.shape[1:] == first.shape[1:]
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for p in parts) and all(
+        b.storage_offset() == a.storage_offset() + a.shape[0] * step
         for a, b in zip(parts, parts[1:], strict=False))
     if not adjacent:
         return torch.cat([p.detach() for p in parts])

@@ -32,6 +32,7 @@ Nothing here touches the network: the directory must already be on disk.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +40,15 @@ from torch import nn
 
 from ._validation import require_choice, require_device, require_dtype
 from .attention import MultiHeadAttention
-from .checkpoint_io import Slots, StoredTensors, fill, param_writer, read_checkpoint, set_param
+from .checkpoint_io import (
+    Slots,
+    StoredTensors,
+    fill,
+    param_writer,
+    read_checkpoint,
+    set_param,
+    set_param_transposed,
+)
 from .checkpoint_models import (
     CheckpointLM,
     GELUFeedForward,
@@ -89,12 +98,24 @@ def _require_model_type(config: dict, expected: str) -> None:
         raise ValueError(f"config.json has model_type={found!r}; expected {expected!r}")
 
 
+def _rows_first(module: nn.Module, name: str, transposed: bool) -> Callable:
+    """A writer of ``module.<name>`` (d_out, d_in) whose numbers lie as (d_in, d_out) rows
+    (`set_param_transposed`); ``transposed``: the stored tensor is (d_in, d_out) already, else
+    it is (d_out, d_in) and is laid out anew once, at loading."""
+
+    def write(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        set_param_transposed(module, name, stored if transposed else stored.T, device, dtype)
+
+    return write
+
+
 def _linear_slots(prefix: str, linear: nn.Linear, conv1d: bool = False) -> Slots:
-    """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out)."""
+    """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out), and
+    kept so (`set_param_transposed`: the weight is a (d_out, d_in) view of those numbers)."""
     out_f, in_f = linear.weight.shape
     slots: Slots = {}
     if conv1d:
-        slots[f"{prefix}.weight"] = ((in_f, out_f), param_writer(linear, "weight", lambda t: t.T))
+        slots[f"{prefix}.weight"] = ((in_f, out_f), _rows_first(linear, "weight", True))
     else:
         slots[f"{prefix}.weight"] = ((out_f, in_f), param_writer(linear, "weight"))
     if linear.bias is not None:
@@ -150,9 +171,10 @@ def _gpt2_model(s: dict) -> CheckpointLM:
 def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
     """GPT-2's c_attn: W = [W_Q | W_K | W_V], (d, 3d), and its bias (3d,), split three ways.
 
-    The three (d, d) weights (and biases) stay side by side in one tensor, as the checkpoint
-    stores them: each `nn.Linear` holds a view of its third, so that a decoding step can
-    compute the three projections as one product (`utils.decoding_plan`) without a copy."""
+    The three weights (and biases) stay side by side in one tensor laid out as the checkpoint
+    stores it, (d, 3d): each `nn.Linear` holds a (d, d) view of its third, transposed, so that
+    a decoding step can compute the three projections as one product (`utils.decoding_plan`)
+    without a copy, reading the numbers row by row as `transformers` does."""
     d = attn.d_model
     parts = (attn.w_q, attn.w_k, attn.w_v)
 
@@ -163,10 +185,10 @@ def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
                                             requires_grad=old.requires_grad))
 
     def weight(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-        fused = torch.empty(3 * d, d, dtype=dtype, device=device)  # [W_Q; W_K; W_V], rows
+        fused = torch.empty(d, 3 * d, dtype=dtype, device=device)  # [W_Q | W_K | W_V]
         with torch.no_grad():
-            fused.copy_(stored.T)
-        split("weight", fused)
+            fused.copy_(stored)
+        split("weight", fused.T)  # (3d, d): rows i d .. (i + 1) d are W_i, (d, d) views
 
     def bias(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         fused = torch.empty(3 * d, dtype=dtype, device=device)
@@ -179,9 +201,9 @@ def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
 
 def _gpt2_slots(model: CheckpointLM) -> Slots:
     slots: Slots = {
-        "transformer.wte.weight": (
+        "transformer.wte.weight": (  # (V, d), laid out (d, V): the output layer reads rows
             tuple(model.embed.weight.shape),
-            param_writer(model.embed.tokens, "weight"),
+            _rows_first(model.embed.tokens, "weight", False),
         ),
         "transformer.wpe.weight": (
             tuple(model.embed.positions.weight.shape),
@@ -196,8 +218,9 @@ def _gpt2_slots(model: CheckpointLM) -> Slots:
         slots |= _linear_slots(f"{p}.attn.c_proj", block.attn.w_o, conv1d=True)
         slots |= _linear_slots(f"{p}.mlp.c_fc", block.ff.linear1, conv1d=True)
         slots |= _linear_slots(f"{p}.mlp.c_proj", block.ff.linear2, conv1d=True)
-    if not model.tie_output:
-        slots |= _linear_slots("lm_head", model.head)
+    if not model.tie_output:  # (V, d), laid out (d, V) as the tied table is
+        head = model.head
+        slots["lm_head.weight"] = (tuple(head.weight.shape), _rows_first(head, "weight", False))
     return slots
 
 
