@@ -339,6 +339,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     watch = Watch(check_every_for(check_every, device), device, temperature, generator)
     cache = _cache_for(model, use_cache, needed)
     plan = None
+    keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
+    tok = tokens[:, 0]  # each step's pick replaces it; the plan feeds it back
     with eval_mode(model), torch.inference_mode():
         for step in range(max_new_tokens):
             with watch.feeding():
@@ -354,7 +356,6 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                     logits = _last_logits(model(tokens[:, :width]), b, lengths - 1)
                 elif step == 0:  # the padded prompts, once: slot t of the cache is position t
                     width = tokens.shape[1] - max_new_tokens
-                    keys = real.clone()  # (B, L_cache): the cache slots each row may attend to
                     if _takes_logits_at(model):  # the output layer at the last tokens alone
                         logits = _last_logits(model(tokens[:, :width], keys, cache=cache,
                                                     logits_at=(lengths - 1)[:, None]), b, 0)

@@ -46,7 +46,6 @@ from .checkpoint_io import (
     fill,
     param_writer,
     read_checkpoint,
-    set_param,
     set_param_transposed,
 )
 from .checkpoint_models import (
