@@ -23,8 +23,8 @@ Rows (the peers in `bench_attention`, `bench_tokenizer`, `bench_decoding`):
 (b) `scaled_dot_product_attention` and `memory_efficient_attention` against
     ``F.scaled_dot_product_attention``: time and peak memory, L = 4096 and 8192;
 (c) `local_attention` against ``F.scaled_dot_product_attention`` under its banded mask;
-(d) `generate` on chapter 10's model against a bare cached loop on the same weights, and
-    against itself without the cache;
+(d) `generate` on chapter 10's model against a bare cached loop on the same weights, against
+    itself through the checked modules, and the cache alone (with and without it);
 (e) the tokenizer, encoding and decoding the book's prose, against Hugging Face ``tokenizers``
     (batch mode, its cache emptied) and ``tiktoken`` built from the same vocabulary (CPU only);
 (f) `generate` on GPT-2-shaped checkpoints (25M parameters and GPT-2 small's 124M) against

@@ -60,7 +60,7 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     assert groups.count("(a) attention module") == 16
     assert groups.count("(b) attention function") == 2
     assert groups.count("(c) local attention") == 2
-    assert groups.count("(d) decoding, chapter 10's model") == 4
+    assert groups.count("(d) decoding, chapter 10's model") == 6
     assert groups.count("(e) tokenizer") == 4
     assert groups.count("(f) decoding, GPT-2") == 6
     for r in data["rows"]:

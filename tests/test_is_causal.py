@@ -168,7 +168,8 @@ def test_the_mark_follows_the_mask_rule_and_nothing_else():
     ):
         assert not is_marked_causal(other), f"{name} of a causal mask counts as marked"
     with torch.inference_mode():
-        assert not is_marked_causal(causal_mask(3)), "an inference tensor counts as marked"
+        inference = torch.ones(3, 3, dtype=torch.bool).tril()
+        assert not is_marked_causal(mark_causal(inference)), "an inference tensor counts as marked"
     q, k, v = _qkv((2, 1, 5, 4), (2, 1, 5, 4))
     batched = mark_causal(torch.ones(2, 5, 5, dtype=torch.bool).tril()[:, None])
     assert fast_attention._read_causal(q, k, batched, False)[1] is False, (
@@ -330,6 +331,20 @@ def test_models_take_the_causal_kernel(name, calls, monkeypatch):
     _close(f"{name} logits", got, want)
     for i, (a, b) in enumerate(zip(got_grads, _grads(want, *params), strict=True)):
         _close(f"{name} gradient of parameter {i}", a, b)
+
+
+@pytest.mark.parametrize("name", list(_models()))
+def test_models_take_the_causal_kernel_under_inference_mode(name, calls):
+    """Inference mode makes tensors without a version counter, which cannot carry the mark: the
+    models (and causal_mask) make their causal masks outside it, so evaluation under
+    torch.inference_mode() (generate, the benchmark) takes the causal kernel too."""
+    model, run, n_causal, n_other = _models()[name]
+    with torch.inference_mode():
+        run(model.eval())
+        mask = causal_mask(6)
+    expected = sorted([(True, False)] * n_causal + [(False, False)] * n_other)
+    assert sorted(calls) == expected, f"{name}: kernel called as {calls}, expected {expected}"
+    assert is_marked_causal(mask), "causal_mask made under inference mode is not marked"
 
 
 def test_models_keep_the_explicit_mask_with_padding_or_a_cache(calls):

@@ -98,7 +98,8 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
     """
     length = require_int("length", length)
     device = require_device("device", device)
-    return mark_causal(torch.ones(length, length, dtype=torch.bool, device=device).tril())
+    with torch.inference_mode(False):  # a tensor with a version counter, to carry the mark
+        return mark_causal(torch.ones(length, length, dtype=torch.bool, device=device).tril())
 
 
 _MARK = "_causal_mark"  # the attribute that `mark_causal` sets on a tensor
@@ -113,7 +114,9 @@ def mark_causal(mask: torch.Tensor) -> torch.Tensor:
     the L x L entries at each call instead would cost about a tenth of an attention at
     L = 2048. The caller vouches that ``mask``'s last two dims are a square causal mask (True
     on and below the diagonal) broadcast over any leading dims of size 1. A tensor made under
-    ``torch.inference_mode()`` has no version counter and is left unmarked.
+    ``torch.inference_mode()`` has no version counter and is left unmarked (`causal_mask` and
+    the models make theirs outside it). A write that bypasses the counter (through ``.data``,
+    or a NumPy view of the tensor) is not seen: do not edit a marked mask that way.
 
     Raises:
         InputTypeError: when ``mask`` is not a bool tensor.

@@ -101,10 +101,11 @@ def _self_mask(past: int, length: int, pad: torch.Tensor | None, cache: DecoderC
     it and runs PyTorch's causal kernel instead of reading it, to the same output."""
     if cache is not None and length == 1 and pad is None:
         return None
+    if cache is None and pad is None:  # made outside inference mode: it can carry the mark
+        with torch.inference_mode(False):
+            return mark_causal(_causal_after(0, length, device))
     attn = _causal_after(past, length, device)
-    if pad is not None:
-        return attn & pad[:, None, :]
-    return mark_causal(attn) if cache is None else attn
+    return attn if pad is None else attn & pad[:, None, :]
 
 
 def _check_cache(cache: object, tokens: torch.Tensor) -> DecoderCache:
