@@ -30,6 +30,8 @@ Shapes: a step takes (B, 1) token ids and positions and an optional (B, L_k) boo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,7 +143,7 @@ class _Norm:
         return y.to(x.dtype)
 
 
-def _ffn(ff: PositionwiseFeedForward) -> callable:
+def _ffn(ff: PositionwiseFeedForward) -> Callable[[torch.Tensor], torch.Tensor]:
     """The feed-forward network's computation (dropout is the identity in evaluation mode)."""
     w1, b1, w2, b2 = ff.linear1.weight, ff.linear1.bias, ff.linear2.weight, ff.linear2.bias
     if type(ff) is GELUFeedForward:
@@ -159,8 +161,8 @@ class _Layer:
 
     def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, ff: nn.Module,
                  pre_norm: bool, room: tuple[torch.Tensor, torch.Tensor]):
-        self.norm1, self.norm2, self.ffn, self.pre_norm = _Norm(norm1), _Norm(norm2), _ffn(ff), \
-            pre_norm
+        self.norm1, self.norm2, self.ffn = _Norm(norm1), _Norm(norm2), _ffn(ff)
+        self.pre_norm = pre_norm
         self.w_qkv, self.b_qkv = _fused_qkv(attn)
         self.w_o, self.b_o = attn.w_o.weight, attn.w_o.bias
         self.h, self.d_k = attn.num_heads, attn.d_k
