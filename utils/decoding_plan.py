@@ -51,7 +51,6 @@ from .layers import (
     LayerNorm,
     PositionwiseFeedForward,
     RMSNorm,
-    _upcast,
 )
 from .models import DecoderOnlyLM, InputEmbedding, _OutputHead
 from .positional import (
@@ -116,33 +115,6 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
 
 
-class _Norm:
-    """A LayerNorm or an RMSNorm's computation, as its module's forward does it."""
-
-    def __init__(self, norm: nn.Module):
-        self.rms = isinstance(norm, RMSNorm)
-        self.weight, self.eps = norm.weight, norm.eps
-        self.bias = None if self.rms else norm.bias
-        self.fused = not self.rms and norm.fused
-        self.shape = (norm.d_model,)  # torch.layer_norm: F.layer_norm without its wrapper
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return torch.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
-        h = _upcast(x)
-        if self.rms:
-            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-            y = (h * torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-            return y if self.weight is None else y * self.weight
-        centred = h - h.mean(dim=-1, keepdim=True)
-        y = centred / torch.sqrt((centred ** 2).mean(dim=-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype)
-
-
 def _ffn(ff: PositionwiseFeedForward) -> Callable[[torch.Tensor], torch.Tensor]:
     """The feed-forward network's computation (dropout is the identity in evaluation mode)."""
     w1, b1, w2, b2 = ff.linear1.weight, ff.linear1.bias, ff.linear2.weight, ff.linear2.bias
@@ -161,7 +133,7 @@ class _Layer:
 
     def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, ff: nn.Module,
                  pre_norm: bool, room: tuple[torch.Tensor, torch.Tensor]):
-        self.norm1, self.norm2, self.ffn = _Norm(norm1), _Norm(norm2), _ffn(ff)
+        self.norm1, self.norm2, self.ffn = norm1.compute, norm2.compute, _ffn(ff)
         self.pre_norm = pre_norm
         self.w_qkv, self.b_qkv = _fused_qkv(attn)
         self.w_o, self.b_o = attn.w_o.weight, attn.w_o.bias
@@ -226,7 +198,7 @@ class DecodePlan:
             self.layers = [_Layer(layer.norm1, layer.self_attn, layer.norm2, layer.ff,
                                   layer.norm_first, room)
                            for layer, room in zip(model.blocks.layers, rooms, strict=True)]
-            self.norm = None if model.blocks.norm is None else _Norm(model.blocks.norm)
+            self.norm = None if model.blocks.norm is None else model.blocks.norm.compute
             head = model.head
             self.tied = head.tied  # x E^T + b, as `_OutputHead` computes it (not one addmm)
             self.head_w = head.embedding[0].weight if head.tied else head.proj.weight
@@ -237,7 +209,7 @@ class DecodePlan:
             self.learned = None if embed.positions is None else embed.positions.weight
             self.layers = [_Layer(block.norm1, block.attn, block.norm2, block.ff, True, room)
                            for block, room in zip(model.blocks, rooms, strict=True)]
-            self.norm, self.head_w, self.head_b = _Norm(model.norm), model.head.weight, None
+            self.norm, self.head_w, self.head_b = model.norm.compute, model.head.weight, None
             self.tied = False
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor,

@@ -106,6 +106,11 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _require_last_dim("x", x, self)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` without its checks, for a caller that checked ``x`` once
+        (`utils.decoding_plan`): (..., d_model) -> (..., d_model)."""
         if self.fused:
             return F.layer_norm(x, (self.d_model,), self.weight, self.bias, self.eps)
         h = _upcast(x)  # float32 for bfloat16 and float16; x itself for float32 and float64
@@ -176,6 +181,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _require_last_dim("x", x, self)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` without its checks (see `LayerNorm.compute`)."""
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         h = _upcast(x)  # float32 for bfloat16 and float16; x itself for float32 and float64
         ms = (h * h).mean(dim=-1, keepdim=True)
