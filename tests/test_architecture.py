@@ -32,6 +32,7 @@ LEVELS = {
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
     "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
     "utils.ngram": 1,  # the interpolated n-gram baseline of chapter 15
+    "utils.rope_scaling": 1,  # scaled RoPE frequencies of long-context checkpoints (chapter 14)
     "utils.schedules": 1,  # learning-rate schedules (chapters 7, 9), re-exported by utils.train
     # layers and stacks (chapters 8-9), made of pieces
     "utils.transformer_layers": 2, "utils.transformer": 2,

@@ -357,13 +357,18 @@ CONFIG_ERRORS = [
     ("gpt2/d32-h2-tied", lambda c: c.pop("n_head"), r"no 'n_head'"),
     (
         "llama/grouped-query",
-        _set("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
-        r"rope_type='llama3'",
+        _set("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0}),
+        r"rope_type='yarn'",
     ),
     (
         "llama/grouped-query",
-        _old_rope({"type": "linear", "factor": 2.0}),
-        r"rope_scaling.*'linear'",
+        _set("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
+        r"rope_type='llama3' lacks 'low_freq_factor'",
+    ),
+    (
+        "llama/grouped-query",
+        _old_rope({"type": "linear", "factor": -2.0}),
+        r"rope_scaling\['factor'\] must be a positive number, got -2\.0",
     ),
     ("llama/grouped-query", _set("hidden_act", "gelu"), r"hidden_act='gelu'"),
     ("llama/grouped-query", _set("head_dim", 16), r"head_dim=16"),
@@ -403,7 +408,7 @@ def test_model_input_errors_name_what_was_expected(checkpoints):
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 101\), got ids from 0 to 101"):
         gpt2(torch.tensor([[0, 101]]))
     with pytest.raises(ValueError, match=r"\(1, 41\) is longer than max_len=40"):
-        llama(torch.zeros(1, 41, dtype=torch.long))
+        gpt2(torch.zeros(1, 41, dtype=torch.long))  # Llama runs on (test_checkpoint_files.py)
     with pytest.raises(ValueError, match="positions are only taken together with a cache"):
         llama(torch.zeros(1, 3, dtype=torch.long), positions=torch.arange(3))
     with pytest.raises(ValueError, match=r"positions must have shape \(L,\) = \(3,\)"):

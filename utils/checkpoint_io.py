@@ -1,6 +1,8 @@
 """Reading a Hugging Face checkpoint into a model built on the meta device (`utils.pretrained`).
 
-A checkpoint is a directory holding ``config.json`` and ``model.safetensors``. The loaders of
+A checkpoint is a directory holding ``config.json`` and ``model.safetensors``, or, for a large
+model, shards (``model-00001-of-00004.safetensors``, ...) and an index,
+``model.safetensors.index.json``, that says which shard holds each tensor. The loaders of
 `utils.pretrained` never build a model on the CPU in float32 to copy it afterwards: they build
 its skeleton on PyTorch's ``meta`` device (shapes and dtypes, no memory, no random
 initialization), check every stored key and shape against it from the file's header alone, then
@@ -42,25 +44,53 @@ __all__ = [
     "materialize_buffers",
 ]
 
+# A sharded checkpoint's index: {"weight_map": {key: shard file name}}, beside the shards.
+INDEX = "model.safetensors.index.json"
+
 # For each stored key: its expected shape, and a writer ``write(stored, device, dtype)`` that
 # assigns the model's parameter(s) from the stored tensor.
 Slots = dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor, torch.device, torch.dtype], None]]]
 
 
-def _paths(directory: str | Path) -> tuple[Path, Path]:
-    """config.json and model.safetensors of ``directory``, each checked to exist."""
+def _paths(directory: str | Path) -> tuple[Path, Path | None]:
+    """config.json of ``directory`` and its weights: model.safetensors, or None when the folder
+    holds a sharded checkpoint's index (model.safetensors.index.json) instead; each checked to
+    exist."""
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")
-    if not weights_path.is_file():
-        if (directory / "model.safetensors.index.json").is_file():
-            raise ValueError(
-                f"{directory} holds a sharded checkpoint "
-                "(model.safetensors.index.json); only one model.safetensors is read"
+    if weights_path.is_file():
+        return config_path, weights_path
+    if (directory / INDEX).is_file():
+        return config_path, None
+    raise FileNotFoundError(f"no model.safetensors (nor {INDEX}) in {directory}")
+
+
+def _shards(directory: Path) -> dict[str, str]:
+    """{key: shard file name} from a sharded checkpoint's index, checked: a dict of strings,
+    each shard a plain file name in ``directory`` that exists."""
+    index_path = directory / INDEX
+    with open(index_path, encoding="utf-8") as f:
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index_path} is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f"{index_path} has no 'weight_map' of key -> shard file names")
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard:
+            raise ValueError(f"{index_path} names a shard outside its folder: {shard!r}")
+        if not (directory / shard).is_file():
+            keys = sorted(k for k, v in weight_map.items() if v == shard)
+            raise FileNotFoundError(
+                f"shard {shard} named in {index_path} is missing (it holds {len(keys)} "
+                f"tensor(s), e.g. {keys[:3]})"
             )
-        raise FileNotFoundError(f"no model.safetensors in {directory}")
-    return config_path, weights_path
+    return weight_map
 
 
 def _config(config_path: Path) -> dict:
@@ -69,46 +99,87 @@ def _config(config_path: Path) -> dict:
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(config, tensors)`` of a Hugging Face directory: config.json and model.safetensors,
-    every tensor read into CPU memory at once (the loaders read them one by one instead, with
-    `StoredTensors`).
+    """``(config, tensors)`` of a Hugging Face directory: config.json and model.safetensors
+    (or the shards its model.safetensors.index.json names), every tensor read into CPU memory
+    at once (the loaders read them one by one instead, with `StoredTensors`).
 
     Raises:
-        FileNotFoundError: if the directory or one of the two files is missing.
-        ValueError: for a sharded checkpoint (model.safetensors.index.json), which is not read.
+        FileNotFoundError: if the directory, config.json, the weights or a shard is missing.
+        ValueError: for an index that is not one, or a shard whose keys differ from the index's.
     """
     with StoredTensors(directory) as stored:
         return stored.config, {key: stored.get(key) for key in stored.shapes}
 
 
 class StoredTensors:
-    """The tensors of one model.safetensors, by name, read lazily; a context manager.
+    """The tensors of a checkpoint, by name, read lazily; a context manager.
+
+    The tensors are those of one model.safetensors, or of every shard a sharded checkpoint's
+    index (model.safetensors.index.json) names: each key read from the shard the index gives
+    for it. A shard the index names must exist and hold exactly the keys the index gives it (an
+    error names the shard and the key otherwise), so that a checkpoint is never read in part.
 
     Args:
-        directory: the checkpoint's folder (config.json and model.safetensors).
+        directory: the checkpoint's folder (config.json, and model.safetensors or the index
+            and its shards).
         meta: True when the model goes to the ``meta`` device: then `get` reads nothing and
             returns empty meta tensors of the stored shapes (settable after opening).
 
     Attributes:
         config: config.json, as a dict.
-        shapes: {key: shape} of every stored tensor, from the file's header (no data read).
+        shapes: {key: shape} of every stored tensor, from the files' headers (no data read).
         source: {key: key in the file}; the loaders rename keys here (`rename`), and drop the
             ones the model has no place for on purpose (`drop`).
+        files: the weight files read, in order (one, or the shards).
     """
 
     def __init__(self, directory: str | Path, meta: bool = False):
         config_path, weights_path = _paths(directory)
         self.config = _config(config_path)
         self.meta = meta
-        self._file = safe_open(str(weights_path), framework="pt", device="cpu")
-        self.shapes = {k: tuple(self._file.get_slice(k).get_shape()) for k in self._file.keys()}
+        self._handles: dict[str, object] = {}  # file name -> open safe_open
+        self._where: dict[str, str] = {}  # key in the file -> file name
+        try:
+            if weights_path is not None:
+                self._open(weights_path, None)
+            else:
+                weight_map = _shards(config_path.parent)
+                for shard in sorted(set(weight_map.values())):
+                    expected = {k for k, v in weight_map.items() if v == shard}
+                    self._open(config_path.parent / shard, expected)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.files = list(self._handles)
+        self.shapes = {
+            k: tuple(self._handles[f].get_slice(k).get_shape()) for k, f in self._where.items()
+        }
         self.source = {k: k for k in self.shapes}
+
+    def _open(self, path: Path, expected: set[str] | None) -> None:
+        """Open one weight file; with ``expected`` (a shard), check it holds exactly those keys."""
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        self._handles[path.name] = handle
+        keys = set(handle.keys())
+        if expected is not None and keys != expected:
+            lacks, extra = sorted(expected - keys), sorted(keys - expected)
+            raise ValueError(
+                f"shard {path}: "
+                + (
+                    f"lacks {len(lacks)} key(s) the index places in it: {lacks[:3]}"
+                    if lacks
+                    else f"holds {len(extra)} key(s) the index does not place in it: {extra[:3]}"
+                )
+            )
+        self._where |= dict.fromkeys(keys, path.name)  # the index places each key once
 
     def __enter__(self) -> StoredTensors:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._file.__exit__(*exc)
+        for handle in self._handles.values():
+            handle.__exit__(*exc)
+        self._handles = {}
 
     def rename(self, names: dict[str, str]) -> None:
         """Address the stored tensor ``old`` as ``new`` from now on, for each ``old: new``."""
@@ -124,7 +195,8 @@ class StoredTensors:
         shape when the model goes to ``meta``."""
         if self.meta:
             return torch.empty(self.shapes[key], device="meta")
-        return self._file.get_tensor(self.source[key])
+        source = self.source[key]
+        return self._handles[self._where[source]].get_tensor(source)
 
     def tied_head(self, key: str, table: str, where: str) -> None:
         """A tied model takes a stored output weight ``key`` only if it equals the token

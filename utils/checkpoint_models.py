@@ -48,7 +48,8 @@ from .models import (
     _rows_at,
     _self_mask,
 )
-from .positional import LearnedPositionalEmbedding, apply_rope
+from .positional import LearnedPositionalEmbedding, _batch_first, apply_rope, rotate_pairs
+from .rope_scaling import rope_frequencies
 
 __all__ = [
     "GELUFeedForward",
@@ -119,6 +120,9 @@ class RotarySelfAttention(GroupedQueryAttention):
         base: RoPE's wavelength scale (Llama's ``rope_theta``), a finite number > 0.
         layout: "half" (pairs (x_k, x_{k + d/2}), the Hugging Face Llama layout) or
             "interleaved" (pairs (x_2k, x_2k+1)); see `utils.positional.permute_rope_weight`.
+        scaling: None for plain RoPE, or a scaled RoPE's settings as `utils.rope_scaling.
+            rope_config` reads them from a checkpoint (linear, dynamic, llama3); "dynamic" picks
+            its frequencies from the largest position of each call, as the reference does.
 
     Shapes:
         ``forward(x, mask=None, cache=None, positions=None)``: x (B, L, d_model) -> (B, L,
@@ -135,14 +139,28 @@ class RotarySelfAttention(GroupedQueryAttention):
         base: float = 10000.0,
         layout: str = "half",
         bias: bool = False,
+        scaling: dict | None = None,
     ):
         super().__init__(d_model, num_heads, num_kv_heads, bias=bias)
         self.base = require_real("base", base, low=0.0, low_open=True)
         self.layout = require_choice("layout", layout, ("half", "interleaved"))
+        self.scaling = None if scaling is None else dict(scaling)
+
+    def frequencies(self, length: int | None = None) -> torch.Tensor:
+        """The (d_k / 2,) float64 frequencies w_k (`utils.rope_scaling.rope_frequencies`) for a
+        call whose positions reach ``length - 1`` (read by dynamic scaling only)."""
+        return rope_frequencies(self.d_k, self.base, self.scaling, length)
 
     def rotate(self, t: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """RoPE on split heads (B, heads, L, d_k) at ``positions`` ((L,) or (B, L))."""
-        return apply_rope(t, positions, self.base, self.layout)
+        if self.scaling is None:
+            return apply_rope(t, positions, self.base, self.layout)
+        if positions is None:
+            positions = torch.arange(t.shape[-2], device=t.device)
+        length = int(positions.max()) + 1 if positions.numel() else 0
+        w = self.frequencies(length).to(t.device)
+        theta = _batch_first(positions, t).to(torch.float64)[..., None] * w  # (B, 1, L, d_k/2)
+        return rotate_pairs(t, theta, self.layout)
 
     def forward(
         self,
@@ -210,7 +228,8 @@ class TokenPositionEmbedding(nn.Module):
     Args:
         vocab_size: V.
         d_model: the width.
-        max_len: the most positions the model takes.
+        max_len: the most positions the model takes; None for no limit (RoPE: positions are
+            rotations computed for any position, not rows of a table).
         learned_positions: add `LearnedPositionalEmbedding` rows (GPT-2) or not (Llama, whose
             positions enter the attention as rotations).
 
@@ -219,10 +238,14 @@ class TokenPositionEmbedding(nn.Module):
         (B, L, d_model).
     """
 
-    def __init__(self, vocab_size: int, d_model: int, max_len: int, learned_positions: bool):
+    def __init__(
+        self, vocab_size: int, d_model: int, max_len: int | None, learned_positions: bool
+    ):
         super().__init__()
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.tokens = nn.Embedding(vocab_size, d_model)
+        if learned_positions and max_len is None:
+            raise ValueError("learned positions need max_len, the rows of their table")
         self.positions = LearnedPositionalEmbedding(max_len, d_model) if learned_positions else None
 
     @property
@@ -249,7 +272,8 @@ class CheckpointLM(nn.Module):
         family: "gpt2" or "llama", for the repr and the reader.
 
     Attributes:
-        vocab_size, max_len, d_model, num_layers: read by `utils.decoding`, and by the reader.
+        vocab_size, max_len, d_model, num_layers: read by `utils.decoding`, and by the reader
+            (``max_len`` None: no limit, a RoPE model's).
         head: nn.Linear(d_model, V, bias=False), its weight the token table when tied.
 
     Shapes:
@@ -282,7 +306,8 @@ class CheckpointLM(nn.Module):
             self.head.weight = self.embed.tokens.weight
 
     def new_cache(self) -> DecoderCache:
-        """An empty key/value cache (one per block) holding up to ``max_len`` positions."""
+        """An empty key/value cache (one per block) holding up to ``max_len`` positions (any
+        number when ``max_len`` is None)."""
         return DecoderCache.for_stack(self.num_layers, max_len=self.max_len)
 
     def forward(

@@ -57,7 +57,6 @@ from .positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
     TokenEmbedding,
-    _frequencies,
     rotate_pairs,
 )
 from .transformer import Encoder
@@ -75,8 +74,9 @@ _KNOWN = (DecoderOnlyLM, CheckpointLM, Encoder, EncoderLayer, PreNormBlock, Mult
 
 def _plain(model: nn.Module) -> bool:
     """Every module exactly a class of `_KNOWN`, in evaluation mode, without forward hooks (of
-    its own or global), kept attention weights or an embedding's max_norm (which would rescale
-    the table's rows as they are read)."""
+    its own or global), kept attention weights, an embedding's max_norm (which would rescale
+    the table's rows as they are read) or a dynamically scaled RoPE (whose frequencies change
+    with every step's position)."""
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return False
@@ -84,6 +84,8 @@ def _plain(model: nn.Module) -> bool:
         if type(m) not in _KNOWN or m.training or m._forward_hooks or m._forward_pre_hooks:
             return False
         if getattr(m, "keep_weights", False) or getattr(m, "max_norm", None) is not None:
+            return False
+        if (getattr(m, "scaling", None) or {}).get("rope_type") == "dynamic":
             return False
     return True
 
@@ -142,7 +144,7 @@ class _Layer:
         self.heads = [self.h, self.h_kv, self.h_kv]
         self.rope = None
         if type(attn) is RotarySelfAttention:
-            self.rope = (_frequencies(attn.d_k, attn.base), attn.layout)
+            self.rope = (attn.frequencies(), attn.layout)
         self.k_room, self.v_room = room
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

@@ -49,7 +49,8 @@ __all__ = ["InputEmbedding", "Seq2SeqTransformer", "DecoderOnlyLM", "EncoderOnly
 
 
 def _check_tokens(name: str, tokens: object, embed: InputEmbedding) -> torch.Tensor:
-    """``tokens`` must be (B, L) int64/int32 ids in [0, V) on ``embed``'s device, L <= max_len."""
+    """``tokens`` must be (B, L) int64/int32 ids in [0, V) on ``embed``'s device, L <= max_len
+    (unless ``embed.max_len`` is None: a model whose positions have no table, RoPE's)."""
     require_tensor(name, tokens)
     require_rank(name, tokens, "(B, L)", rank=2)
     require_integer_ids(name, tokens)
@@ -60,7 +61,7 @@ def _check_tokens(name: str, tokens: object, embed: InputEmbedding) -> torch.Ten
     if tokens.device != device:
         raise InputTypeError(f"{name} is on {tokens.device} but the model is on {device}; move "
                              f"them to one device ({name}.to('{device}'))")
-    if tokens.shape[1] > embed.max_len:
+    if embed.max_len is not None and tokens.shape[1] > embed.max_len:
         raise ValueError(f"{name} {shape_str(tokens)} is longer than max_len={embed.max_len}")
     if values_are_trusted():  # a decoding loop's own tokens: no wait for the device
         return tokens
@@ -123,8 +124,10 @@ def _max_positions(cache: DecoderCache) -> int:
     return limit if limit is not None else 2**62
 
 
-def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``positions``: int (L,) or (B, L) absolute positions in [0, max_len) for ``tokens``."""
+def _check_positions(positions: object, tokens: torch.Tensor,
+                     max_len: int | None) -> torch.Tensor:
+    """``positions``: int (L,) or (B, L) absolute positions in [0, max_len) for ``tokens``
+    (max_len None: any position >= 0)."""
     require_tensor("positions", positions)
     require_integer_ids("positions", positions)
     b, length = tokens.shape
@@ -132,7 +135,10 @@ def _check_positions(positions: object, tokens: torch.Tensor, max_len: int) -> t
         raise ValueError(f"positions must have shape (L,) = ({length},) or (B, L) = "
                          f"{shape_str(tokens)}, got {shape_str(positions)}")
     require_same_device(tokens=tokens, positions=positions)
-    _require_below("positions", positions, max_len, "max_len")
+    if max_len is not None:
+        _require_below("positions", positions, max_len, "max_len")
+    elif not values_are_trusted() and positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
     return positions
 
 

@@ -57,6 +57,7 @@ from .checkpoint_models import (
 )
 from .layers import LayerNorm, PositionwiseFeedForward, RMSNorm
 from .positional import permute_rope_weight
+from .rope_scaling import rope_config, rope_frequencies
 
 __all__ = ["read_checkpoint", "load_gpt2", "load_llama", "GPT2_ACTIVATIONS"]
 
@@ -180,8 +181,9 @@ def _qkv_slots(prefix: str, attn: MultiHeadAttention) -> Slots:
     def split(name: str, fused: torch.Tensor) -> None:
         old = parts[0]._parameters[name]
         for i, lin in enumerate(parts):
-            setattr(lin, name, nn.Parameter(fused[i * d : (i + 1) * d],
-                                            requires_grad=old.requires_grad))
+            setattr(
+                lin, name, nn.Parameter(fused[i * d : (i + 1) * d], requires_grad=old.requires_grad)
+            )
 
     def weight(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         fused = torch.empty(d, 3 * d, dtype=dtype, device=device)  # [W_Q | W_K | W_V]
@@ -289,27 +291,6 @@ def load_gpt2(
 # ----------------------------------------------------------------------------------- Llama
 
 
-def _rope_settings(config: dict) -> float:
-    """Llama's RoPE base (``rope_theta``, inside ``rope_parameters`` in transformers 5, at the
-    top level before); only plain RoPE is implemented: any ``rope_type`` other than "default",
-    in ``rope_parameters`` or in the older ``rope_scaling``, raises."""
-    theta = _field(config, "rope_theta", 10000.0)
-    for name in ("rope_parameters", "rope_scaling"):
-        params = _field(config, name, {})
-        if not isinstance(params, dict):
-            raise ValueError(f"config field {name!r} must be a dict or null, got {params!r}")
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise ValueError(
-                f"unsupported config: {name} has rope_type={kind!r} (a scaled RoPE); this "
-                "loader implements plain RoPE, rope_type 'default'"
-            )
-        theta = params.get("rope_theta", theta)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ValueError(f"config field 'rope_theta' must be a positive number, got {theta!r}")
-    return float(theta)
-
-
 def _llama_settings(config: dict) -> dict:
     """The hyperparameters of a Llama config.json, each checked; unsupported options raise."""
     _require_model_type(config, "llama")
@@ -342,9 +323,33 @@ def _llama_settings(config: dict) -> dict:
     s["attention_bias"] = bool(_require_value(config, "attention_bias", (False, True), False))
     s["mlp_bias"] = bool(_require_value(config, "mlp_bias", (False, True), False))
     s["eps"] = float(_field(config, "rms_norm_eps", 1e-6))
-    s["theta"] = _rope_settings(config)
+    s["theta"], s["scaling"] = rope_config(config, s["max_position_embeddings"])
     s["tied"] = bool(_field(config, "tie_word_embeddings", False))
     return s
+
+
+# Files written by older transformers keep each layer's RoPE frequencies as a buffer.
+_INV_FREQ = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+
+
+def _drop_inv_freq(stored: StoredTensors, s: dict, where: str) -> None:
+    """Drop stored ``rotary_emb.inv_freq`` buffers: the model computes its frequencies from the
+    config. Each is first compared with them (on ``meta``, its shape only), so that a file whose
+    frequencies are not the config's is refused, not silently read with others."""
+    half = s["hidden_size"] // s["num_attention_heads"] // 2
+    for key in [k for k in stored.shapes if _INV_FREQ.fullmatch(k)]:
+        if stored.shapes[key] != (half,):
+            raise ValueError(f"{where}: {key} has shape {stored.shapes[key]}, expected ({half},)")
+        if not stored.meta:
+            expected = rope_frequencies(2 * half, s["theta"], s["scaling"])
+            worst = ((stored.get(key).double() - expected).abs() / expected).max().item()
+            if worst > 1e-5:
+                raise ValueError(
+                    f"{where}: {key} holds RoPE frequencies that differ from those config.json "
+                    f"gives (rope_theta={s['theta']}, scaling={s['scaling']}) by up to "
+                    f"{worst:.1e} relative"
+                )
+        stored.drop(key)
 
 
 def _llama_model(s: dict, layout: str) -> CheckpointLM:
@@ -359,6 +364,7 @@ def _llama_model(s: dict, layout: str) -> CheckpointLM:
                 base=s["theta"],
                 layout=layout,
                 bias=s["attention_bias"],
+                scaling=s["scaling"],
             ),
             RMSNorm(d, eps=eps),
             PositionwiseFeedForward(
@@ -367,9 +373,9 @@ def _llama_model(s: dict, layout: str) -> CheckpointLM:
         )
         for _ in range(s["num_hidden_layers"])
     ]
-    embed = TokenPositionEmbedding(
-        s["vocab_size"], d, s["max_position_embeddings"], learned_positions=False
-    )
+    # No max_len: RoPE computes the rotation of any position, and the reference runs on past
+    # max_position_embeddings (the length trained on, not a table's size).
+    embed = TokenPositionEmbedding(s["vocab_size"], d, None, learned_positions=False)
     return CheckpointLM(embed, blocks, RMSNorm(d, eps=eps), s["tied"], "llama")
 
 
@@ -421,12 +427,17 @@ def load_llama(
 ) -> CheckpointLM:
     """A Llama checkpoint (``LlamaForCausalLM``'s files) as a `CheckpointLM` of the book's parts.
 
-    RoPE with base ``rope_theta`` on queries and keys (`RotarySelfAttention`), grouped-query
+    RoPE with base ``rope_theta`` on queries and keys (`RotarySelfAttention`), scaled as the
+    config's ``rope_parameters`` (or ``rope_scaling``) say (`utils.rope_scaling`), grouped-query
     attention with ``num_key_value_heads`` key/value heads, `RMSNorm` (``rms_norm_eps``) before
     each sublayer and at the end, a SwiGLU feed-forward network (`PositionwiseFeedForward` with
     ``activation="swiglu"``: gate_proj is ``gate``, up_proj ``linear1``, down_proj ``linear2``),
     no biases unless the config asks for them, and an output projection tied to the token
-    embeddings when ``tie_word_embeddings`` is true.
+    embeddings when ``tie_word_embeddings`` is true. Inputs may be longer than
+    ``max_position_embeddings``, as the reference allows: RoPE has no table of positions (the
+    model's ``max_len`` is None), though the model was trained on no longer text.
+    ``rotary_emb.inv_freq`` buffers, which files written by older versions of `transformers`
+    hold, are compared with the frequencies the config gives and dropped.
 
     Args:
         directory: the folder with config.json and model.safetensors.
@@ -440,7 +451,8 @@ def load_llama(
 
     Raises:
         FileNotFoundError: for a missing folder or file.
-        ValueError: for an unsupported config (another model_type, rope scaling, an activation
+        ValueError: for an unsupported config (another model_type, a RoPE type other than
+            `utils.rope_scaling.ROPE_TYPES`, an activation
             other than SiLU, a head_dim other than hidden_size / num_attention_heads,
             pretraining_tp > 1), or a checkpoint with an unknown key, a missing key or a tensor
             of the wrong shape, each named; a bad ``dtype`` or ``device`` as in `load_gpt2`.
@@ -451,6 +463,7 @@ def load_llama(
         dtype, device = _where(dtype, device)
         stored.meta = device.type == "meta"
         settings = _llama_settings(stored.config)
+        _drop_inv_freq(stored, settings, where)
         if settings["tied"]:
             stored.tied_head("lm_head.weight", "model.embed_tokens.weight", where)
         with torch.device("meta"):  # shapes only: no memory, no random initialization
