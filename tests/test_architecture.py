@@ -44,6 +44,7 @@ LEVELS = {
     "utils.decoding_steps": 3,  # what a decoding loop reads back from the device, grouped
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
     "utils.checkpoint_io": 3,  # reading them onto any device, built on meta
+    "utils.checkpoint_fields": 3,  # their config.json checked against their tensors
     "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the checkers",

@@ -303,3 +303,104 @@ def test_a_meta_load_of_an_older_file_reads_nothing(tmp_path):
     folder = _with_inv_freq(tmp_path / "plain", tmp_path / "old")
     model = load_llama(folder, device="meta")
     assert all(p.is_meta for p in model.parameters())
+
+
+# ------------------------------------------------------------- config against tensors
+
+
+def _edited(source, target, **fields):
+    """A copy with config fields changed; head_dim, which transformers 5 writes, is left out
+    where the heads change, so that it follows hidden_size / num_attention_heads."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    if {"num_attention_heads", "hidden_size"} & set(fields):
+        config.pop("head_dim", None)
+    config.update(fields)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """{family: (folder, transformers model)}: GPT-2 (2 heads, n_inner 128, 2 layers, 40
+    positions) and a
+    multi-head Llama (4 heads of 8, as many key/value heads) and a grouped one (2 kv heads)."""
+    torch.manual_seed(7)
+    made = {}
+    for name, model in (
+        ("gpt2", _gpt2(n_embd=32, n_head=2)),
+        ("llama-gqa", _llama(num_attention_heads=4, num_key_value_heads=2)),
+        ("llama-mha", _llama(num_attention_heads=4, num_key_value_heads=4)),
+    ):
+        folder = tmp_path_factory.mktemp(name)
+        made[name] = (folder, _save(model, folder))
+    return made
+
+
+FIELD_ERRORS = [
+    (
+        "gpt2",
+        {"n_inner": 40},
+        r"n_inner=40, but the tensors hold 128 columns in "
+        r"transformer\.h\.0\.mlp\.c_fc\.weight",
+    ),
+    ("gpt2", {"n_layer": 3}, r"n_layer=3, but the tensors hold layers 0 to 1 \(2 numbered\)"),
+    (
+        "gpt2",
+        {"vocab_size": 100},
+        r"vocab_size=100, but the tensors hold 101 rows in "
+        r"transformer\.wte\.weight",
+    ),
+    ("gpt2", {"n_positions": 64}, r"n_positions=64, but the tensors hold 40 rows"),
+    (
+        "llama-gqa",
+        {"num_key_value_heads": 1},
+        r"num_attention_heads=4 and num_key_value_heads=1, "
+        r"so heads of 8 .* 8 rows in model\.layers\.0\."
+        r"self_attn\.k_proj\.weight, but it has 16: 2 "
+        r"key/value heads of 8",
+    ),
+    (
+        "llama-gqa",
+        {"num_attention_heads": 2},
+        r"num_attention_heads=2 and num_key_value_heads=2, "
+        r"so heads of 16 .* but it has 16: 1 key/value",
+    ),
+    (
+        "llama-gqa",
+        {"intermediate_size": 64},
+        r"intermediate_size=64, but the tensors hold 56 "
+        r"rows in model\.layers\.0\.mlp\.gate_proj\.weight",
+    ),
+    (
+        "llama-gqa",
+        {"num_hidden_layers": 1},
+        r"num_hidden_layers=1, but the tensors hold layers "
+        r"0 to 1",
+    ),
+    ("llama-gqa", {"hidden_size": 48}, r"hidden_size=48, but the tensors hold 32 columns"),
+]
+
+
+@pytest.mark.parametrize("name, fields, message", FIELD_ERRORS)
+def test_a_config_its_tensors_contradict_is_refused_naming_the_field(
+    small, tmp_path, name, fields, message
+):
+    folder = _edited(small[name][0], tmp_path / "c", **fields)
+    with pytest.raises(ValueError, match=message):
+        (load_gpt2 if name == "gpt2" else load_llama)(folder)
+    with pytest.raises(ValueError, match=message):  # from the headers alone
+        (load_gpt2 if name == "gpt2" else load_llama)(folder, device="meta")
+
+
+@pytest.mark.parametrize("name, field", [("gpt2", "n_head"), ("llama-mha", "num_attention_heads")])
+def test_what_no_tensor_records_loads_and_only_the_logits_show(small, tmp_path, name, field):
+    """With as many key/value heads as query heads, no shape says how d splits into heads: a
+    wrong head count loads, and the logits check is what catches it."""
+    source, hf = small[name]
+    fields = {field: 4} if name == "gpt2" else {field: 2, "num_key_value_heads": 2}
+    folder = _edited(source, tmp_path / "c", **fields)
+    ours = (load_gpt2 if name == "gpt2" else load_llama)(folder)
+    with pytest.raises(AssertionError):
+        _assert_same_logits(hf, ours, _tokens(1, 9))
+    _assert_same_logits(hf, (load_gpt2 if name == "gpt2" else load_llama)(source), _tokens(1, 9))

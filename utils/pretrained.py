@@ -5,8 +5,9 @@ hyperparameters) and ``model.safetensors`` (the tensors, by name). `load_gpt2` a
 read both, build a `utils.checkpoint_models.CheckpointLM` of the shape the config describes and
 copy every tensor into it, after checking that the checkpoint holds exactly the tensors that
 model needs, each of the right shape. Nothing is loaded partly: an unknown key, a missing key,
-a wrong shape or a config option the book's model does not implement raises a `ValueError`
-that names it, before any tensor is copied.
+a wrong shape, a config field its tensors contradict (`utils.checkpoint_fields`) or a config
+option the book's model does not implement raises a `ValueError` that names it, before any
+tensor is copied.
 
 ``device=`` and ``dtype=`` say where the model is made and in what precision. The model is built
 on PyTorch's ``meta`` device (shapes, no memory), then every parameter is made directly on the
@@ -40,6 +41,7 @@ from torch import nn
 
 from ._validation import require_choice, require_device, require_dtype
 from .attention import MultiHeadAttention
+from .checkpoint_fields import check_gpt2_fields, check_llama_fields
 from .checkpoint_io import (
     Slots,
     StoredTensors,
@@ -281,6 +283,7 @@ def load_gpt2(
         stored.meta = device.type == "meta"
         settings = _gpt2_settings(stored.config)
         _gpt2_names(stored)
+        check_gpt2_fields(stored.shapes, settings, where)
         if settings["tied"]:
             stored.tied_head("lm_head.weight", "transformer.wte.weight", where)
         with torch.device("meta"):  # shapes only: no memory, no random initialization
@@ -464,6 +467,7 @@ def load_llama(
         stored.meta = device.type == "meta"
         settings = _llama_settings(stored.config)
         _drop_inv_freq(stored, settings, where)
+        check_llama_fields(stored.shapes, settings, where)
         if settings["tied"]:
             stored.tied_head("lm_head.weight", "model.embed_tokens.weight", where)
         with torch.device("meta"):  # shapes only: no memory, no random initialization
