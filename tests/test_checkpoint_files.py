@@ -404,3 +404,22 @@ def test_what_no_tensor_records_loads_and_only_the_logits_show(small, tmp_path, 
     with pytest.raises(AssertionError):
         _assert_same_logits(hf, ours, _tokens(1, 9))
     _assert_same_logits(hf, (load_gpt2 if name == "gpt2" else load_llama)(source), _tokens(1, 9))
+
+
+def test_a_renamed_key_is_named_with_its_missing_partner(small, tmp_path):
+    source = small["llama-gqa"][0]
+    target = tmp_path / "c"
+    target.mkdir()
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_projection.weight"] = tensors.pop(
+        "model.layers.1.self_attn.q_proj.weight"
+    )
+    save_file(tensors, target / "model.safetensors")
+    shutil.copy(source / "config.json", target)
+    with pytest.raises(
+        ValueError,
+        match=r"holds 1 unknown key\(s\) .*\['model\.layers\.1\.self_attn\.q_projection\.weight'\]"
+        r"; and lacks 1 key\(s\) the model needs: "
+        r"\['model\.layers\.1\.self_attn\.q_proj\.weight'\]",
+    ):
+        load_llama(target)

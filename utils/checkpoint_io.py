@@ -256,15 +256,20 @@ def param_writer(
 
 
 def check_keys(shapes: dict[str, tuple[int, ...]], slots: Slots, where: str) -> None:
-    """Every stored key must have a slot, every slot a key, every shape must match."""
+    """Every stored key must have a slot, every slot a key, every shape must match. Unknown and
+    missing keys are named in one message: a renamed key is both, and each half explains the
+    other."""
     unknown = sorted(set(shapes) - set(slots))
-    if unknown:
-        raise ValueError(
-            f"{where} holds {len(unknown)} unknown key(s) the model has no place for: {unknown[:5]}"
-        )
     missing = sorted(set(slots) - set(shapes))
+    problems = []
+    if unknown:
+        problems.append(
+            f"holds {len(unknown)} unknown key(s) the model has no place for: {unknown[:5]}"
+        )
     if missing:
-        raise ValueError(f"{where} lacks {len(missing)} key(s) the model needs: {missing[:5]}")
+        problems.append(f"lacks {len(missing)} key(s) the model needs: {missing[:5]}")
+    if problems:
+        raise ValueError(f"{where} " + "; and ".join(problems))
     for key, (shape, _) in slots.items():
         if shapes[key] != shape:
             raise ValueError(
