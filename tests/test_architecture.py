@@ -31,6 +31,8 @@ LEVELS = {
     "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
     "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
+    "utils.tokenizer_json": 1,  # tokenizer.json (byte level, Metaspace), Llama 3's chat format
+    "utils.sentencepiece_model": 1,  # SentencePiece's .model files, its BPE by hand
     "utils.ngram": 1,  # the interpolated n-gram baseline of chapter 15
     "utils.rope_scaling": 1,  # scaled RoPE frequencies of long-context checkpoints (chapter 14)
     "utils.schedules": 1,  # learning-rate schedules (chapters 7, 9), re-exported by utils.train
