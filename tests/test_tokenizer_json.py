@@ -1,9 +1,10 @@
 """Tests for utils.tokenizer_json: ``tokenizer.json`` files and Llama 3's chat template.
 
 The proof: Hugging Face's ``tokenizers`` trains small BPE vocabularies here, on chapter 1's prose
-and on text made in code, in four styles (GPT-2's byte level; Llama 3's Split then byte level,
+and on text made in code, in five styles (GPT-2's byte level; Llama 3's Split then byte level,
 with ``ignore_merges`` and a template that puts a BOS in front; SentencePiece's Metaspace with
-byte fallback and Llama 2's decoder chain; Metaspace with an unknown token and its own decoder),
+byte fallback and Llama 2's decoder chain; Metaspace with an unknown token and its own decoder;
+Llama 2's converted files, where a normalizer puts the "▁" in and nothing pre-tokenizes),
 saves each ``tokenizer.json``, and both readers give the same ids and the same decoded text on
 hostile strings and on random ones (special tokens inside text, whitespace runs, digits, emoji).
 The chat template written by hand gives the string and the ids of ``transformers``'
@@ -28,6 +29,7 @@ from tokenizers import (  # noqa: E402
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
     trainers,
@@ -85,9 +87,15 @@ def _train(style: str) -> Tokenizer:
         split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated")
         byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte])
-    elif style == "metaspace_first":  # Llama 2 / Mistral converted: byte fallback
-        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    elif style in ("metaspace_first", "llama2"):  # SentencePiece's models converted
+        fuse = style == "llama2"
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=fuse))
+        if style == "llama2":  # no pre-tokenizer: a normalizer puts the "▁" in
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
         tok.decoder = decoders.Sequence(
             [
                 decoders.Replace("▁", " "),
@@ -103,15 +111,15 @@ def _train(style: str) -> Tokenizer:
     if byte_level:
         tok.decoder = decoders.ByteLevel()
     specials = [] if byte_level else ["<unk>", "<s>", "</s>"]
-    if style == "metaspace_first":
+    if tok.model.byte_fallback:
         specials += [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(
-        vocab_size=600 if style == "metaspace_first" else 400,
+        vocab_size=600 if tok.model.byte_fallback else 400,
         special_tokens=specials + SPECIALS[:2],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [],
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator([line for text in _corpus() for line in text.split("\n")], trainer)
     tok.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
     tok.add_tokens([AddedToken("日本", special=False)])
     if style == "llama3":
@@ -126,7 +134,7 @@ def _train(style: str) -> Tokenizer:
     return tok
 
 
-STYLES = ["gpt2", "llama3", "metaspace_first", "metaspace_always"]
+STYLES = ["gpt2", "llama3", "metaspace_first", "metaspace_always", "llama2"]
 
 
 @pytest.fixture(scope="module", params=STYLES)
@@ -224,6 +232,9 @@ REFUSALS = {
     "model type 'WordPiece'": lambda s: s["model"].update(type="WordPiece"),
     "model type 'Unigram'": lambda s: s["model"].update(type="Unigram"),
     "normalizer 'NFKC'": lambda s: s.update(normalizer={"type": "NFKC"}),
+    "normalizer 'Lowercase'": lambda s: s.update(
+        normalizer={"type": "Sequence", "normalizers": [{"type": "Lowercase"}]}
+    ),
     "pre_tokenizer 'Whitespace'": lambda s: s.update(pre_tokenizer={"type": "Whitespace"}),
     "Split behavior ('Removed', False)": lambda s: s.update(
         pre_tokenizer={"type": "Split", "pattern": {"String": " "}, "behavior": "Removed"}

@@ -12,19 +12,23 @@ one meets:
   and then calls ``ByteLevel(use_regex=False)``.
 - Metaspace (SentencePiece's style, Llama 2, Mistral): spaces become "▁" (U+2581), one "▁" may be
   put in front of the text (``prepend_scheme``), and a character the vocabulary lacks becomes its
-  UTF-8 bytes as the tokens ``<0x41>``... when the model has ``byte_fallback``.
+  UTF-8 bytes as the tokens ``<0x41>``... when the model has ``byte_fallback``. Llama 2's
+  converted files do the same with a normalizer instead (``Prepend("▁")``, then ``Replace`` of
+  " " by "▁") and no pre-tokenizer.
 
-`load_tokenizer_json(path)` reads the file into a `JsonTokenizer`, with ``encode``, ``decode``,
-``token_to_id`` and ``vocab_size``, using the merge loop of `utils.tokenizer`. What the reader
-does not implement (another model type, a normalizer, a dropout) is refused with a ValueError
-that names the component and the file, never run approximately. `apply_chat_template` writes the
+Added tokens are found first: those marked ``normalized: false`` (the special ones) in the raw
+text, the others in the text once normalized, as ``tokenizers`` does. `load_tokenizer_json(path)`
+reads the file into a `JsonTokenizer`, with ``encode``, ``decode``, ``token_to_id`` and
+``vocab_size``, using the merge loop of `utils.tokenizer`. What the reader does not implement
+(another model type, another normalizer, a dropout) is refused with a ValueError that names the
+component and the file, never run approximately. `apply_chat_template` writes the
 turns of a conversation in Llama 3's format, as a checkpoint's Jinja ``chat_template`` does.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import regex
@@ -44,6 +48,8 @@ __all__ = ["JsonTokenizer", "load_tokenizer_json", "apply_chat_template", "LLAMA
 
 _GPT2 = regex.compile(GPT2_PATTERN)
 Step = Callable[[list[str], bool], list[str]]  # pre-tokens -> pre-tokens; True: text starts here
+Normalizer = Callable[[str], str]
+Splitter = tuple[regex.Pattern | None, list[int]]  # finds added tokens; the id of each group
 
 
 def _refuse(path: Path, what: str, value: object) -> ValueError:
@@ -235,21 +241,52 @@ def _merges(raw: object, path: Path) -> list[tuple[str, str]]:
     return merges
 
 
-def _added_splitter(added: list[dict], path: Path) -> tuple[regex.Pattern | None, list[int]]:
+def _added_splitter(added: list[dict], normalize: Normalizer) -> Splitter:
     """A pattern finding the added tokens (the longest first), each in its own group, taking the
     whitespace before it (``lstrip``) and after it (``rstrip``) as the file asks; and the id of
-    each group's token."""
+    each group's token. ``normalize`` is applied to the tokens matched in normalized text."""
     if not added:
         return None, []
     alternatives, ids = [], []
-    for token in sorted(added, key=lambda t: len(t["content"]), reverse=True):
+    for token in sorted(added, key=lambda t: len(normalize(t["content"])), reverse=True):
         ids.append(token["id"])
-        if token.get("single_word"):
-            raise _refuse(path, "added token with single_word", token["content"])
         left = r"\s*" if token.get("lstrip") else ""
         right = r"\s*" if token.get("rstrip") else ""
-        alternatives.append(f"({left}{regex.escape(token['content'])}{right})")
+        alternatives.append(f"({left}{regex.escape(normalize(token['content']))}{right})")
     return regex.compile("|".join(alternatives)), ids
+
+
+def _cut(text: str, splitter: Splitter) -> Iterator[tuple[str | None, int, bool]]:
+    """``text`` cut around the added tokens: (text, 0, whether it starts ``text``) for the text
+    between them, (None, id, False) for each token."""
+    pattern, ids = splitter
+    at = 0
+    for match in pattern.finditer(text) if pattern else ():
+        yield text[at : match.start()], 0, at == 0
+        yield None, ids[match.lastindex - 1], False
+        at = match.end()
+    yield text[at:], 0, at == 0
+
+
+def _normalizer(spec: dict | None, path: Path) -> Normalizer:
+    """The file's ``normalizer``: those Llama 2's converted files use (Prepend, Replace)."""
+    if spec is None:
+        return lambda text: text
+    kind = _kind(spec, path, "normalizer")
+    if kind == "Sequence":
+        parts = [_normalizer(inner, path) for inner in spec["normalizers"]]
+
+        def chain(text: str) -> str:
+            for part in parts:
+                text = part(text)
+            return text
+
+        return chain
+    if kind == "Prepend":
+        return lambda text: spec["prepend"] + text if text else text
+    if kind == "Replace" and "String" in spec["pattern"]:
+        return lambda text: text.replace(spec["pattern"]["String"], spec["content"])
+    raise _refuse(path, "normalizer", kind)
 
 
 def _check_model(spec: dict, path: Path) -> dict:
@@ -262,8 +299,9 @@ def _check_model(spec: dict, path: Path) -> dict:
             raise _refuse(path, f"model.{key}", model[key])
     if not isinstance(model.get("vocab"), dict):
         raise ValueError(f"{path}: model.vocab must map token strings to ids")
-    if spec.get("normalizer") is not None:
-        raise _refuse(path, "normalizer", _kind(spec["normalizer"], path, "normalizer"))
+    for token in spec.get("added_tokens") or []:
+        if token.get("single_word"):
+            raise _refuse(path, "added token with single_word", token["content"])
     return model
 
 
@@ -281,16 +319,20 @@ class JsonTokenizer:
         added = spec.get("added_tokens") or []
         self._added = {t["content"]: t["id"] for t in added}
         self._special_ids = {t["id"] for t in added if t.get("special")}
-        tokens = {
-            **{i: t for t, i in self._vocab.items()},
-            **{i: t for t, i in self._added.items()},
-        }
+        self._normalize = _normalizer(spec.get("normalizer"), path)
+        raw = [t for t in added if not t.get("normalized", not t.get("special"))]
+        # An added token matched in normalized text is matched, and decoded, in its normalized
+        # form (with Llama 2's normalizer, "▁" + its content), as tokenizers does.
+        tokens = {i: t for t, i in self._vocab.items()}
+        tokens.update({t["id"]: self._normalize(t["content"]) for t in added if t not in raw})
+        tokens.update({t["id"]: t["content"] for t in raw})
         self._tokens = [tokens.get(i, "") for i in range(max(tokens) + 1)]
         try:
             self._ranks, _ = _check_merges(_merges(model.get("merges", []), path), self._vocab)
         except ValueError as error:
             raise ValueError(f"{path}: model.merges: {error}") from None
-        self._splitter, self._added_ids = _added_splitter(added, path)
+        self._raw = _added_splitter(raw, lambda text: text)
+        self._normalized = _added_splitter([t for t in added if t not in raw], self._normalize)
         self._steps = _pre_tokenizer(spec.get("pre_tokenizer"), path)
         self._decoder = _decoder(spec.get("decoder"), path)
         self._before, self._after = _post_processor(spec.get("post_processor"), path)
@@ -356,20 +398,21 @@ class JsonTokenizer:
         if not isinstance(text, str):
             raise InputTypeError(f"text must be a str, got {type_name(text)}")
         ids: list[int] = []
-        at = 0
-        for match in self._splitter.finditer(text) if self._splitter else ():
-            self._encode_text(text[at : match.start()], at == 0, ids)
-            ids.append(self._added_ids[match.lastindex - 1])
-            at = match.end()
-        self._encode_text(text[at:], at == 0, ids)
+        for raw, index, start in _cut(text, self._raw):  # tokens matched in the raw text,
+            if raw is None:
+                ids.append(index)
+                continue
+            for part, index, first in _cut(self._normalize(raw), self._normalized):  # then
+                if part is None:  # those matched once it is normalized (tokenizers' order)
+                    ids.append(index)
+                elif part:
+                    self._encode_text(part, start and first, ids)
         if add_special_tokens:
             ids = self._before + ids + self._after
         return ids
 
     def _encode_text(self, part: str, start: bool, ids: list[int]) -> None:
         """Append the ids of text between added tokens (``start``: it begins the whole text)."""
-        if not part:
-            return
         pieces = [part]
         for step in self._steps:
             pieces = step(pieces, start)
