@@ -79,14 +79,14 @@ def read_model(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no such file: {path}")
-    model = {"pieces": [], "model_type": 1, "byte_fallback": False, "unk_surface": " \u2047 ",
-             "treat_whitespace_as_suffix": False, "name": "", "charsmap": b"",
-             "add_dummy_prefix": True, "remove_extra_whitespaces": True,
-             "escape_whitespaces": True}  # fmt: skip
-    trainer = {3: "model_type", 24: "treat_whitespace_as_suffix", 35: "byte_fallback",
-               44: "unk_surface"}  # fmt: skip
-    normalizer = {1: "name", 2: "charsmap", 3: "add_dummy_prefix", 4: "remove_extra_whitespaces",
-                  5: "escape_whitespaces"}  # fmt: skip
+    model = dict(pieces=[], model_type=1, byte_fallback=False, unk_surface=" \u2047 ")
+    model |= dict(treat_whitespace_as_suffix=False, name="", charsmap=b"", escape_whitespaces=True)
+    model |= dict(add_dummy_prefix=True, remove_extra_whitespaces=True)
+    # The field numbers of sentencepiece_model.proto: TrainerSpec (field 2), NormalizerSpec (3).
+    trainer = {3: "model_type", 24: "treat_whitespace_as_suffix", 35: "byte_fallback"}
+    trainer[44] = "unk_surface"
+    normalizer = {1: "name", 2: "charsmap", 3: "add_dummy_prefix", 4: "remove_extra_whitespaces"}
+    normalizer[5] = "escape_whitespaces"
     try:
         for number, value in _fields(path.read_bytes()):
             if number == 1:  # one piece: 1 the string, 2 the score (float32), 3 the type
@@ -147,14 +147,13 @@ class SentencePieceBPE:
 
     def __init__(self, path: str | Path) -> None:
         model = _check_model(read_model(path), Path(path))
-        self._pieces = [p for p, _, _ in model["pieces"]]
-        self._types = [t for _, _, t in model["pieces"]]
-        self._scores = {p: (s, i) for i, (p, s, t) in enumerate(model["pieces"])
-                        if t in (NORMAL, USER_DEFINED)}  # fmt: skip
-        self._reserved = {p: i for i, (p, _, t) in enumerate(model["pieces"])
-                          if t not in (NORMAL, USER_DEFINED)}  # fmt: skip
-        self._user = sorted((p for p, _, t in model["pieces"] if t == USER_DEFINED), key=len,
-                            reverse=True)  # fmt: skip
+        pieces = model["pieces"]
+        self._pieces, self._types = [p for p, _, _ in pieces], [t for _, _, t in pieces]
+        merged = (NORMAL, USER_DEFINED)  # the pieces a merge may make; the others are reserved
+        self._scores = {p: (s, i) for i, (p, s, t) in enumerate(pieces) if t in merged}
+        self._reserved = {p: i for i, (p, _, t) in enumerate(pieces) if t not in merged}
+        user = (p for p, _, t in pieces if t == USER_DEFINED)
+        self._user = sorted(user, key=len, reverse=True)  # matched whole, the longest first
         self._unk = self._types.index(UNKNOWN)
         self._byte_fallback = bool(model["byte_fallback"])
         self._unk_surface = model["unk_surface"]
@@ -168,10 +167,10 @@ class SentencePieceBPE:
 
     def piece_to_id(self, piece: str) -> int:
         """The id of a piece (the unknown piece's id for a string that is none)."""
-        found = self._reserved.get(piece, self._scores.get(piece, (0, self._unk))[1])
-        return found
+        return self._reserved.get(piece, self._scores.get(piece, (0, self._unk))[1])
 
     def id_to_piece(self, index: int) -> str:
+        """The piece of an id."""
         return self._pieces[_check_ids([index], len(self._pieces))[0]]
 
     def normalize(self, text: str) -> str:
@@ -182,21 +181,22 @@ class SentencePieceBPE:
             text = " " + text
         return text.replace(" ", SPACE) if self._escape else text
 
-    def _symbols(self, text: str) -> list[str]:
-        """The starting symbols: characters, and user-defined pieces kept whole."""
-        out, at = [], 0
+    def _symbols(self, text: str) -> tuple[list[str], list[bool]]:
+        """The starting symbols (characters, and user-defined pieces kept whole, which no
+        merge may touch) and whether each is such a frozen piece."""
+        out, frozen, at = [], [], 0
         while at < len(text):
-            found = next((u for u in self._user if text.startswith(u, at)), text[at])
-            out.append(found)
-            at += len(found)
-        return out
+            user = next((u for u in self._user if text.startswith(u, at)), None)
+            out.append(user or text[at])
+            frozen.append(user is not None)
+            at += len(out[-1])
+        return out, frozen
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``: BPE over its normalized characters, the best-scored pair first."""
         if not isinstance(text, str):
             raise InputTypeError(f"text must be a str, got {type_name(text)}")
-        symbols = self._symbols(self.normalize(text))
-        frozen = [s in self._user and len(s) > 1 for s in symbols]
+        symbols, frozen = self._symbols(self.normalize(text))
         after = list(range(1, len(symbols))) + [-1]
         before = list(range(-1, len(symbols) - 1))
         heap: list[tuple[float, int, str, str]] = []
