@@ -47,7 +47,7 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 UNICODE = "café naïve Zürich 日本語のテキスト 中文 한국어 שלום مرحبا 👍🏽 👨‍👩‍👧 ١٢٣ ²³ e\u0301"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<mask>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<mask>", "<sep>"]
 HOSTILE = [
     "", " ", "   ", "\n", "\n\n\n", "\t \n  ", "Attention is all you need.",
     " leading space", "trailing spaces   ", "a     b\n\n\n\n   c \t \n  ",
@@ -56,8 +56,8 @@ HOSTILE = [
     "a\u00a0b\u2028c\u3000d\u200bz", bytes(range(32, 256)).decode("latin-1"),
     "def f(x):\n    return x**2  # $\\frac{a}{b}$",
     "<|endoftext|>", "text<|endoftext|>more", "a <|im_start|> b<|endoftext|><|im_start|>",
-    "x <mask> y   <mask>\n z<mask>", "<|endoftext|> starts", "▁already ▁▁marked", "<unk><s></s>",
-    "日本 added 日本語",
+    "x <mask> y   <mask>\n z<mask>", "a<sep>  b <sep>\n\nc<sep>", "<|endoftext|> starts",
+    "▁already ▁▁marked", "<unk><s></s>", "日本 added 日本語",
 ]  # fmt: skip
 
 
@@ -121,6 +121,7 @@ def _train(style: str) -> Tokenizer:
     )
     tok.train_from_iterator([line for text in _corpus() for line in text.split("\n")], trainer)
     tok.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    tok.add_special_tokens([AddedToken("<sep>", rstrip=True, special=True)])
     tok.add_tokens([AddedToken("日本", special=False)])
     if style == "llama3":
         tok.add_special_tokens(["<|begin_of_text|>"])
