@@ -41,6 +41,7 @@ from utils.checks.a9_lora import (
     BASE_NOT_FROZEN,
     INIT_SWAPPED,
     LORA_CHECKER,
+    MERGE_EXTRA_BIAS,
     lora_reference,
 )
 from utils.checks.core import exercise
@@ -456,6 +457,29 @@ def test_a_base_frozen_but_its_bias_is_still_named():
     result = check_lora_linear(_lora("BiasTrains", __init__=_init_then(_unfreeze_bias)),
                                verbose=False)
     assert result.points == 0 and all(BASE_NOT_FROZEN in h for h in result.hints), result.hints
+
+
+def _merge_default_linear(zero_bias):
+    def merge(self):
+        merged = nn.Linear(self.base.in_features, self.base.out_features)  # always a bias
+        with torch.no_grad():
+            merged.weight.copy_(self.base.weight + self.scaling * self.lora_B @ self.lora_A)
+            if self.base.bias is not None:
+                merged.bias.copy_(self.base.bias)
+            elif zero_bias:
+                merged.bias.zero_()
+        return merged
+    return merge
+
+
+def test_a_merged_layer_may_hold_a_zero_bias_but_not_a_random_one():
+    """Without a base bias, a merged nn.Linear whose bias is zero computes the same function
+    (full marks); one that keeps nn.Linear's random bias does not, and is named."""
+    fair = check_lora_linear(_lora("ZeroBias", merge=_merge_default_linear(True)), verbose=False)
+    assert fair.passed, fair.hints
+    wrong = check_lora_linear(_lora("RandomBias", merge=_merge_default_linear(False)),
+                              verbose=False)
+    assert wrong.hints == [MERGE_EXTRA_BIAS], wrong.hints
 
 
 class LoRAWithLinears(LoRA):
