@@ -149,7 +149,7 @@ check-devices: venv
 bench: venv
 	$(PY) scripts/benchmark.py $(BENCH_ARGS)
 
-# The grader on a class of 56 notebooks over all assignments (isolation on, two at a time), and
+# The grader on a class of 63 notebooks over all assignments (isolation on, two at a time), and
 # the cost of the kernel's confinement per child process, into _build/grading-bench/.
 bench-grade: venv
 	$(PY) scripts/grading_benchmark.py $(BENCH_GRADE_ARGS)

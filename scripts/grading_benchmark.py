@@ -3,7 +3,7 @@
     python scripts/grading_benchmark.py [--per-assignment 7] [--out _build/grading-bench]
     make bench-grade
 
-Builds a class of handed-in notebooks over all eight assignments: for each, the book's solution
+Builds a class of handed-in notebooks over all nine assignments: for each, the book's solution
 (several students), the version handed out (nothing done) and one with a known mistake. It grades
 the class once with the command line as an instructor runs it (isolation on, two notebooks at
 a time on two cores), checks that every solution got full marks and every blank one 0, and prints
@@ -47,6 +47,7 @@ MISTAKES = {
     "a6_encoder_layer": (3, "self.norm_first", "not self.norm_first"),
     "a7_decoder_layer": (3, "self.norm_first", "not self.norm_first"),
     "a8_train": (5, "ignore_index=PAD", "ignore_index=-100"),
+    "a9_adapting": (3, "descending=True", "descending=False"),
 }
 
 
@@ -121,7 +122,7 @@ def insecure_cost(work: Path) -> tuple[float, float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-assignment", type=int, default=7,
-                        help="notebooks per assignment (default 7: 8 x 7 = 56 notebooks)")
+                        help="notebooks per assignment (default 7: 9 x 7 = 63 notebooks)")
     parser.add_argument("--out", type=Path, default=ROOT / "_build" / "grading-bench")
     parser.add_argument("--skip-cost", action="store_true",
                         help="only the class, not the cost of isolation")

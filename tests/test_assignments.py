@@ -66,8 +66,8 @@ def test_the_table_of_contents_lists_the_assignments_in_order_with_chapters_and_
         assert re.fullmatch(rf"{number}\. .+ · chapters? [\d, ]+ · [\d.]+ h", entry["title"]), entry
 
 
-def test_there_are_eight_assignments_with_solutions_and_checks():
-    assert len(ASSIGNMENTS) == 8
+def test_there_are_nine_assignments_with_solutions_and_checks():
+    assert len(ASSIGNMENTS) == 9
     for path in ASSIGNMENTS:
         sources = [c.source for c in nbformat.read(path, as_version=4).cells
                    if c.cell_type == "code"]

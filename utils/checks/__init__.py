@@ -2,7 +2,8 @@
 
 One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_attention`,
 `a3_masks` with `a3_mask_tests`, `a4_positional_layer_norm`, `a5_feed_forward`,
-`a6_encoder_layer`, `a7_decoder_layer`, `a8_train` with `a8_judges`), on a small shared core:
+`a6_encoder_layer`, `a7_decoder_layer`, `a8_train` with `a8_judges`, `a9_adapting` with
+`a9_lora`), on a small shared core:
 
 * `core`: the student side (`Spec`, `exercise`);
 * `checker` (with `compare`): the trusted side, a reference, its mistakes and its cases
@@ -46,6 +47,9 @@ _WHERE = {
     "check_encoder_layer": "a6_encoder_layer",
     "check_decoder_layer": "a7_decoder_layer",
     "check_training": "a8_train",
+    "check_top_p_filter": "a9_adapting",
+    "check_lora_linear": "a9_lora",
+    "check_answer_only_loss": "a9_adapting",
     "ASSIGNMENTS": "assignments",
     "CaseResult": "results",
     "CheckResult": "results",
@@ -69,6 +73,9 @@ __all__ = [
     "check_encoder_layer",
     "check_decoder_layer",
     "check_training",
+    "check_top_p_filter",
+    "check_lora_linear",
+    "check_answer_only_loss",
 ]
 
 

@@ -14,6 +14,8 @@ which the trusted side judges:
   come from an oracle (`set_oracle`): in a notebook, the planted implementations themselves; in
   the grader's child, the grader's process, so that the child holds no trace of which
   implementation is right;
+* "a9_lora" (assignment 9): a LoRA module built on a base layer of known weights, what it holds
+  at the start, its output with known adapters, its merge and its output after the merge;
 * "a8_train" (assignment 8): the model, ``train_step``, ``greedy_decode`` and the retraining,
   in `utils.checks.training_runner`, which this module imports (so that importing this module
   registers every runner).
@@ -21,6 +23,7 @@ which the trusted side judges:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +45,7 @@ A5_KIND = "a5_module"
 MASK_KIND = "decoder_mask"
 CAUSALITY_KIND = "decoder_causality"
 MASK_TEST_KIND = "mask_test"
+LORA_KIND = "a9_lora"
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,3 +236,71 @@ def run_mask_test(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
 
 
 register_runner(MASK_TEST_KIND, run_mask_test)
+
+
+# --------------------------------------------------------------------------------------------
+# Assignment 9: a LoRA layer
+
+
+def _adapter(module: Any, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    held = getattr(module, name, None)
+    if not isinstance(held, torch.nn.Parameter):
+        what = type(held).__name__ if held is not None else "missing"
+        raise StudentError("type", f"`{name}` must be an nn.Parameter of shape {shape} (the "
+                                   f"assignment fixes its name and shape); it is {what}")
+    if tuple(held.shape) != shape:
+        raise StudentError("load", f"`{name}` has shape {tuple(held.shape)}, expected {shape}")
+    return held
+
+
+def run_lora(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
+    """Build ``obj(base, r, alpha)`` on an ``nn.Linear`` holding the case's weights.
+
+    ``spec.literals`` is (in_features, out_features, bias, r, alpha). Returns the output with
+    the case's ``lora_A`` and ``lora_B`` in place of the module's (through
+    `torch.func.functional_call`, so that their gradients come back), which of ``base.weight``,
+    ``base.bias``, ``lora_A``, ``lora_B`` require a gradient (as 0 or 1), ``lora_B`` and
+    ``lora_A`` as the module made them, ``merge()``'s weight and bias (an empty tensor when it
+    has none) after the case's adapters are copied in, and the module's output after the merge.
+    """
+    d_in, d_out, has_bias, r, alpha = spec.literals
+    base = torch.nn.Linear(int(d_in), int(d_out), bias=bool(has_bias))
+    with torch.no_grad():
+        base.weight.copy_(inputs["base.weight"])
+        if has_bias:
+            base.bias.copy_(inputs["base.bias"])
+    module = build_module(obj, dataclasses.replace(spec, ctor_args=[base, int(r), alpha]))
+    a = _adapter(module, "lora_A", (int(r), int(d_in)))
+    b = _adapter(module, "lora_B", (int(d_out), int(r)))
+    if getattr(module, "base", None) is not base:
+        raise StudentError("type", "your module must keep the layer it wraps as `self.base`")
+    names = ["base.weight", "base.bias", "lora_A", "lora_B"] if has_bias else \
+        ["base.weight", "lora_A", "lora_B"]
+    own = [n for n, _ in module.named_parameters()]
+    extra = [n for n in own if n not in names]
+    if extra:
+        listed = ", ".join(f"`{n}`" for n in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        raise StudentError("type", f"your module has parameters the assignment does not ask "
+                                   f"for: {listed}")
+    trainable = torch.tensor([float(base.weight.requires_grad),
+                              float(has_bias and base.bias.requires_grad),
+                              float(a.requires_grad), float(b.requires_grad)])
+    init_a, init_b = a.detach().clone().float(), b.detach().clone().float()
+    module.train(False)
+    params = {n: inputs[n] for n in names}
+    out = torch.func.functional_call(module, params, (inputs["x"],), strict=False)
+    with torch.no_grad():
+        a.copy_(inputs["lora_A"])
+        b.copy_(inputs["lora_B"])
+    merged = module.merge()
+    if not isinstance(merged, torch.nn.Linear):
+        raise StudentError("type", f"merge() returned {type(merged).__name__}, expected an "
+                                   "nn.Linear")
+    merged_bias = merged.bias.detach().clone() if merged.bias is not None else torch.zeros(0)
+    with torch.no_grad():
+        after = module(inputs["x"].detach())
+    return (out, trainable, init_b, init_a, merged.weight.detach().clone(), merged_bias,
+            after)
+
+
+register_runner(LORA_KIND, run_lora)
