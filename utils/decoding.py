@@ -350,7 +350,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                     plan = plan_for(model, cache)
                     if plan is not None:  # (B, L_cache): the slots each row may attend to
                         keys = torch.cat([keys, keys.new_ones(b, max_new_tokens - 1)], dim=1)
-            if chooser is None:
+            if chooser.plain:  # the draw divides by the temperature itself
                 tok = watch.pick(logits, temperature, generator)
             else:  # the filtered scores, the temperature in them: a draw at T = 1
                 so_far = _so_far(tokens, lengths) if chooser.needs_previous else None

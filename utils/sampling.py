@@ -177,6 +177,13 @@ class LogitsChooser:
         self.min_p, self.penalty, self.keep = min_p, penalty, min_tokens_to_keep
 
     @property
+    def plain(self) -> bool:
+        """Whether nothing but the temperature changes the logits: then a plain draw from
+        softmax(logits / T) (or the argmax) is the same distribution."""
+        return self.penalty is None and (self.temperature == 0 or
+                                         (self.top_k, self.top_p, self.min_p) == (None,) * 3)
+
+    @property
     def needs_previous(self) -> bool:
         """Whether the chain reads the previous ids (a repetition penalty)."""
         return self.penalty is not None
@@ -201,9 +208,9 @@ class LogitsChooser:
 def logits_chooser(temperature: float = 1.0, top_k: int | None = None,
                    top_p: float | None = None, min_p: float | None = None,
                    repetition_penalty: float | None = None,
-                   min_tokens_to_keep: int = 1) -> LogitsChooser | None:
-    """A checked `LogitsChooser`, or None when nothing would change the logits but the
-    temperature (the plain draw from softmax(logits / T) does that itself).
+                   min_tokens_to_keep: int = 1) -> LogitsChooser:
+    """A `LogitsChooser` of these settings, each checked (``.plain`` when nothing but the
+    temperature changes the logits).
 
     Args:
         temperature: 0 (greedy) or a finite T > 0.
@@ -226,6 +233,4 @@ def logits_chooser(temperature: float = 1.0, top_k: int | None = None,
                                           low_open=True)
         repetition_penalty = None if repetition_penalty == 1 else repetition_penalty
     keep = require_int("min_tokens_to_keep", min_tokens_to_keep)
-    if repetition_penalty is None and (temperature == 0 or (top_k, top_p, min_p) == (None,) * 3):
-        return None
     return LogitsChooser(temperature, top_k, top_p, min_p, repetition_penalty, keep)
