@@ -48,6 +48,8 @@ LEVELS = {
     "utils.checkpoint_io": 3,  # reading them onto any device, built on meta
     "utils.checkpoint_fields": 3,  # their config.json checked against their tensors
     "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
+    "utils.sampling": 1,  # temperature, top-k, top-p, min-p, repetition penalty (chapter 18)
+    "utils.beam_search": 3, "utils.checkpoint_write": 3,  # beam search; save_gpt2 (chapter 18)
     "utils.lora": 3, "utils.preference": 3,  # LoRA adapters and the DPO loss (chapter 20)
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the checkers",

@@ -153,3 +153,19 @@ def test_greedy_pick_checks_the_picked_scores_only(scores, message):
         decoding.next_token(logits)
     ok = torch.tensor([[3e38, 3e38, -float("inf")], [1.0, 2.0, 0.0]])  # a sum that overflows
     assert decoding.next_token(ok).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("name", ["gpt2/d32-h2-tied", "llama/grouped-query"])
+def test_sampling_filters_decode_the_same_tokens_with_and_without_the_plan(
+        checkpoints, name, monkeypatch):  # noqa: F811
+    directory, _ = checkpoints[name]
+    model = test_pretrained._load(name, directory)
+    kw = dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+    for seed in range(2):
+        planned, checked, steps = _both(model, PROMPTS, 25, monkeypatch, seed=seed, eos=NEVER,
+                                        **kw)
+        assert steps == 24
+        assert planned == checked, f"seed {seed}: the plan changed the sampled tokens"
+    planned, checked, _ = _both(model, PROMPTS, 25, monkeypatch, eos=NEVER,
+                                repetition_penalty=1.5)  # greedy with a penalty
+    assert planned == checked

@@ -6,6 +6,9 @@ Two ways to pick the next token from the logits at the last position:
 * sampling at a temperature T > 0: draw from softmax(logits / T). T < 1 sharpens the
   distribution towards greedy, T > 1 flattens it towards uniform.
 
+`generate` also takes the filters of `utils.sampling` (top-k, top-p, min-p, a repetition
+penalty; chapter 18), which change the scores before the pick as ``transformers`` does.
+
 Both work on a whole batch at once; a sequence that has produced ``<eos>`` is finished and stops
 growing while the others go on.
 
@@ -74,7 +77,6 @@ import torch
 from torch import nn
 
 from ._validation import (
-    InputTypeError,
     eval_mode,
     require_bool,
     require_bool_mask,
@@ -82,16 +84,23 @@ from ._validation import (
     require_int,
     require_integer_ids,
     require_rank,
-    require_real,
     require_same_device,
     require_tensor,
     shape_str,
-    type_name,
 )
-from .data import BOS, EOS, PAD, _as_ids, _is_sequence, pad_sequences
+from .data import BOS, EOS, PAD
 from .decoding_plan import plan_for
-from .decoding_steps import Watch, check_every_for, checked_pick
+from .decoding_steps import (
+    Watch,
+    check_every_for,
+    check_model,
+    check_room,
+    check_sampling,
+    checked_pick,
+    prompt_batch,
+)
 from .kv_cache import DecoderCache
+from .sampling import logits_chooser
 
 __all__ = ["next_token", "greedy_decode", "sample_decode", "generate"]
 
@@ -106,28 +115,6 @@ def _cache_for(model: nn.Module, use_cache: object, length: int) -> DecoderCache
                                                for c in cache.self_attn):
         cache.reserve(length)  # a cache too short for it fails at its first step, clearly
     return cache
-
-
-def _check_sampling(temperature: object, generator: object) -> float:
-    """``temperature`` a finite number >= 0; ``generator`` None or a `torch.Generator`."""
-    temperature = require_real("temperature", temperature, low=0.0)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise InputTypeError(f"generator must be a torch.Generator or None, got "
-                             f"{type_name(generator)}")
-    return temperature
-
-
-def _check_model(model: object, calls: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise InputTypeError(f"model must be an nn.Module with {calls}, got {type_name(model)}")
-
-
-def _check_room(model: nn.Module, needed: int, what: str) -> None:
-    """Refuse, before any step, to feed ``model`` more positions than its ``max_len``."""
-    limit = getattr(model, "max_len", None)
-    if isinstance(limit, int) and needed > limit:
-        raise ValueError(f"{what} needs {needed} positions but the model takes at most "
-                         f"max_len={limit}")
 
 
 def _takes_logits_at(model: nn.Module) -> bool:
@@ -168,7 +155,7 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0,
     require_tensor("logits", logits)
     require_rank("logits", logits, "(B, V)", rank=2)
     require_floating("logits", logits)
-    temperature = _check_sampling(temperature, generator)
+    temperature = check_sampling(temperature, generator)
     if logits.shape[1] == 0:
         raise ValueError(f"logits must score at least one token (V >= 1), got "
                          f"{shape_str(logits)}")
@@ -202,7 +189,7 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
         B lists of ids: each output up to, not including, its ``<eos>`` (or ``max_len`` tokens
         if it never produced one). An empty batch (B = 0) gives ``[]``.
     """
-    _check_model(model, "encode() and decode()")
+    check_model(model, "encode() and decode()")
     require_tensor("src", src)
     require_rank("src", src, "(B, L_s)", rank=2)
     require_integer_ids("src", src)
@@ -213,10 +200,10 @@ def sample_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
                          f"{src_mask.dtype} {shape_str(src_mask)}")
     require_same_device(src=src, src_mask=src_mask)
     max_len = require_int("max_len", max_len)
-    temperature = _check_sampling(temperature, generator)
+    temperature = check_sampling(temperature, generator)
     bos = require_int("bos", bos, minimum=0)
     eos = require_int("eos", eos, minimum=0)
-    _check_room(model, max_len, f"max_len={max_len}")
+    check_room(model, max_len, f"max_len={max_len}")
     watch = Watch(check_every_for(check_every, src.device), src.device, temperature, generator)
     cache = _cache_for(model, use_cache, max_len)
     b = src.shape[0]
@@ -251,32 +238,12 @@ def greedy_decode(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, m
                          use_cache=use_cache, check_every=check_every)
 
 
-def _prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Check the prompts and pad them into one (B, L) batch and its mask (see `generate`);
-    None when there are no prompts."""
-    if isinstance(prompts, torch.Tensor):
-        require_rank("prompts", prompts, "(B, L)", rank=2)
-        require_integer_ids("prompts", prompts)
-        prompts = list(prompts)
-    elif not _is_sequence(prompts):
-        raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids, got "
-                             f"{type_name(prompts)}")
-    if len(prompts) == 0:
-        return None
-    for i, p in enumerate(prompts):
-        if not _is_sequence(p):
-            raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids; "
-                                 f"prompts[{i}] is {type_name(p)}")
-    tokens, real = pad_sequences([_as_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)])
-    if int(tokens.min()) < 0:
-        raise ValueError(f"prompts must hold token ids >= 0, got {int(tokens.min())}")
-    return tokens, real
-
-
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, generator: torch.Generator | None = None,
              eos: int = EOS, use_cache: bool = True,
-             check_every: int | None = None) -> list[list[int]]:
+             check_every: int | None = None, *, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None) -> list[list[int]]:
     """Continue each prompt with a decoder-only model until ``<eos>`` or ``max_new_tokens``.
 
     Prompts of different lengths share one right-padded batch. Row b's next token is read at its
@@ -300,7 +267,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             With a model that has ``max_len``, the longest prompt plus ``max_new_tokens - 1``
             (the last token is never fed back) must fit in it.
         temperature: 0 for greedy, T > 0 to sample.
-        generator: the random generator for sampling.
+        generator: the random generator for sampling (seed it: the same seed, the same tokens).
         eos: the end token, an int >= 0.
         use_cache: keep every layer's keys and values and feed only the new tokens (see the
             module docstring); False recomputes the whole prefix each step. Both give the
@@ -310,22 +277,28 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             makes the host wait for nothing. None: every step on the CPU, every `CHECK_EVERY`
             steps elsewhere. The same tokens for any value. (Without the cache, each step also
             reads the longest row's length, the width of the prefix to recompute.)
+        top_k, top_p, min_p, repetition_penalty: the filters of `utils.sampling`, applied as
+            ``transformers`` applies them (`utils.sampling.LogitsChooser`): the penalty to the
+            tokens of each row's prompt and of what it has generated, then the temperature,
+            top-k, top-p and min-p. None (the default) leaves each out; at temperature 0 only
+            the penalty changes anything.
 
     Returns:
         B lists of the new ids, up to, not including, ``<eos>``. An empty list of prompts
         gives ``[]``; an empty prompt raises (there is no last position to continue from).
     """
-    _check_model(model, "forward(tokens)")
+    check_model(model, "forward(tokens)")
     max_new_tokens = require_int("max_new_tokens", max_new_tokens)
-    temperature = _check_sampling(temperature, generator)
+    temperature = check_sampling(temperature, generator)
+    chooser = logits_chooser(temperature, top_k, top_p, min_p, repetition_penalty)
     eos = require_int("eos", eos, minimum=0)
     require_bool("use_cache", use_cache)
-    batch = _prompt_batch(prompts)
+    batch = prompt_batch(prompts)
     if batch is None:
         return []
     tokens, real = batch
     needed = tokens.shape[1] + max_new_tokens - 1  # positions fed (the last token never is)
-    _check_room(model, needed,
+    check_room(model, needed,
                 f"a prompt of {tokens.shape[1]} tokens and max_new_tokens={max_new_tokens}")
     # The batch is built where the model lives (the CPU for a model without parameters).
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
@@ -377,7 +350,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
                     plan = plan_for(model, cache)
                     if plan is not None:  # (B, L_cache): the slots each row may attend to
                         keys = torch.cat([keys, keys.new_ones(b, max_new_tokens - 1)], dim=1)
-            tok = watch.pick(logits, temperature, generator)
+            if chooser.plain:  # the draw divides by the temperature itself
+                tok = watch.pick(logits, temperature, generator)
+            else:  # the filtered scores, the temperature in them: a draw at T = 1
+                so_far = _so_far(tokens, lengths) if chooser.needs_previous else None
+                logits = chooser(logits, so_far)
+                tok = watch.pick(logits, 1.0 if temperature > 0 else 0.0, generator)
             # Each live row's token goes to its own next slot; a finished row's next slot stays
             # padding (it is past the row's end, and never read).
             tokens.scatter_(1, lengths[:, None], torch.where(done, PAD, tok)[:, None])
@@ -389,6 +367,13 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
             plan.close()
     start = real.sum(dim=1)
     return [_cut(tokens[i, start[i]: lengths[i]].tolist(), eos) for i in range(b)]
+
+
+def _so_far(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, L) ids of each row so far, prompt and new tokens; past a row's length, its first
+    token again (a token present twice is penalised once: the repeat changes nothing)."""
+    past = torch.arange(tokens.shape[1], device=tokens.device) >= lengths[:, None]
+    return torch.where(past, tokens[:, :1], tokens)
 
 
 def _cut(ids: list[int], eos: int) -> list[int]:

@@ -8,6 +8,9 @@ steps, in order, so that the loop ends, and errors are raised, as the plain loop
 
 `checked_pick` is the plain loop's step: check the logits (one sum in the usual case), then
 pick. `bad_logits_code` is the check left on the device, a code read later.
+
+The checks the decoding functions make at their edge, before any step, are here too:
+`check_sampling`, `check_model`, `check_room` and `prompt_batch`.
 """
 
 from __future__ import annotations
@@ -18,9 +21,19 @@ import math
 import torch
 from torch import nn
 
-from ._validation import require_int, values_trusted
+from ._validation import (
+    InputTypeError,
+    require_int,
+    require_integer_ids,
+    require_rank,
+    require_real,
+    type_name,
+    values_trusted,
+)
+from .data import _as_ids, _is_sequence, pad_sequences
 
-__all__ = ["CHECK_EVERY", "Watch", "check_every_for", "checked_pick", "bad_logits_code"]
+__all__ = ["CHECK_EVERY", "Watch", "check_every_for", "checked_pick", "bad_logits_code",
+           "check_sampling", "check_model", "check_room", "prompt_batch"]
 
 
 # What `bad_logits_code` finds, by code (0: nothing wrong), as `next_token` reports it.
@@ -172,3 +185,50 @@ class Watch:
                     self._rng.set_state(states[j])
                 return True
         return False
+
+
+# ------------------------------------------------- the checks at the decoding functions' edge
+
+
+def check_sampling(temperature: object, generator: object) -> float:
+    """``temperature`` a finite number >= 0; ``generator`` None or a `torch.Generator`."""
+    temperature = require_real("temperature", temperature, low=0.0)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputTypeError(f"generator must be a torch.Generator or None, got "
+                             f"{type_name(generator)}")
+    return temperature
+
+
+def check_model(model: object, calls: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"model must be an nn.Module with {calls}, got {type_name(model)}")
+
+
+def check_room(model: nn.Module, needed: int, what: str) -> None:
+    """Refuse, before any step, to feed ``model`` more positions than its ``max_len``."""
+    limit = getattr(model, "max_len", None)
+    if isinstance(limit, int) and needed > limit:
+        raise ValueError(f"{what} needs {needed} positions but the model takes at most "
+                         f"max_len={limit}")
+
+
+def prompt_batch(prompts: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Check the prompts and pad them into one (B, L) batch and its mask (see `generate`);
+    None when there are no prompts."""
+    if isinstance(prompts, torch.Tensor):
+        require_rank("prompts", prompts, "(B, L)", rank=2)
+        require_integer_ids("prompts", prompts)
+        prompts = list(prompts)
+    elif not _is_sequence(prompts):
+        raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids, got "
+                             f"{type_name(prompts)}")
+    if len(prompts) == 0:
+        return None
+    for i, p in enumerate(prompts):
+        if not _is_sequence(p):
+            raise InputTypeError(f"prompts must be a list of prompts, each a list of token ids; "
+                                 f"prompts[{i}] is {type_name(p)}")
+    tokens, real = pad_sequences([_as_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)])
+    if int(tokens.min()) < 0:
+        raise ValueError(f"prompts must hold token ids >= 0, got {int(tokens.min())}")
+    return tokens, real
