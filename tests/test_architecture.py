@@ -44,6 +44,7 @@ LEVELS = {
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
     "utils.checkpoint_io": 3,  # reading them onto any device, built on meta
     "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
+    "utils.finetune": 3,  # classification head and answer-only loss (chapter 19)
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the checkers",
                "the grader"]
