@@ -47,7 +47,7 @@ BOOK_TEST_MODULES = (
 SLOWEST_NOTEBOOKS = (
     "09_transformer", "10_model_families", "07_layer_norm_and_residuals",
     "12_images_and_convolution", "15_tokens_and_real_text", "18_choosing_the_next_token",
-    "20_lora_and_preferences",
+    "19_fine_tuning", "20_lora_and_preferences",
     "11_attention_beyond_text", "17_devices_and_precision", "13_fast_attention",
     "16_beyond_one_machine", "14_real_models",
     "a8_train",

@@ -51,6 +51,7 @@ LEVELS = {
     "utils.sampling": 1,  # temperature, top-k, top-p, min-p, repetition penalty (chapter 18)
     "utils.beam_search": 3, "utils.checkpoint_write": 3,  # beam search; save_gpt2 (chapter 18)
     "utils.lora": 3, "utils.preference": 3,  # LoRA adapters and the DPO loss (chapter 20)
+    "utils.finetune": 3,  # classification head and answer-only loss (chapter 19)
 }
 LEVEL_NAMES = ["foundations", "pieces", "layers and stacks", "models and tools", "the checkers",
                "the grader"]
