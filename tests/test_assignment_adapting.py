@@ -637,6 +637,28 @@ def answer_only_loss(logits, tokens, prompt_lengths, lengths=None):
     return _ref.answer_only_reference(logits, tokens, prompt_lengths, lengths)
 '''
 
+TOP_P_READS_TRANSFORMERS_CELL = '''
+import glob
+import sys
+
+_found = {}
+for _folder in sys.path:
+    for _path in glob.glob(_folder + "/transformers/generation/logits_process.py"):
+        try:
+            _src = open(_path).read()
+            _start = _src.index("class TopPLogitsWarper")
+            _code = _src[_start:_src.index("\\nclass ", _start + 10)]
+            _code = _code.replace("@add_start_docstrings(LOGITS_PROCESSOR_INPUTS_DOCSTRING)", "")
+            exec(_code, _found.setdefault("ns", {"torch": torch, "LogitsProcessor": object}))
+        except Exception:
+            pass
+
+
+def top_p_filter(logits, p, min_tokens_to_keep=1):
+    warper = _found["ns"]["TopPLogitsWarper"](top_p=p, min_tokens_to_keep=min_tokens_to_keep)
+    return warper(None, logits.clone())
+'''
+
 # student: ({solution cell index: source}, expectation)
 SUBMISSIONS = {
     "ok_a9_book": ({}, "full"),
@@ -644,6 +666,8 @@ SUBMISSIONS = {
     "evil_a9_transformers": ({3: TOP_P_FROM_TRANSFORMERS_CELL}, "imports transformers"),
     "evil_a9_checker_reference": ({11: LOSS_FROM_CHECKER_CELL},
                                   "tried to read the book's sources or reference code"),
+    "evil_a9_reads_transformers": ({3: TOP_P_READS_TRANSFORMERS_CELL},
+                                   "tried to read the book's sources or reference code"),
 }
 
 
@@ -695,6 +719,9 @@ def test_the_hostile_submissions_are_flagged(graded):
     rows = graded[0]
     assert "reference used" in rows["evil_a9_transformers"]["flags"], rows["evil_a9_transformers"]
     assert float(rows["evil_a9_transformers"]["top_p_filter.basic"]) == 0
+    reader = rows["evil_a9_reads_transformers"]  # the package's files, not only __init__.py
+    assert "reference used" in reader["flags"], reader
+    assert float(reader["top_p_filter.basic"]) == 0
     evil = rows["evil_a9_checker_reference"]
     assert "reference used" in evil["flags"], evil
     assert float(evil["answer_only_loss.padded"]) == 0
