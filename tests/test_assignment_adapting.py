@@ -9,8 +9,10 @@ submissions as they deserve.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import itertools
 import math
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -20,6 +22,7 @@ from assignment_grading import grade, write_submission
 from notebooks import ROOT
 from torch import nn
 
+from grader.policy import child_policy
 from grader.scan import static_scan
 from utils.checks import (
     ASSIGNMENTS,
@@ -726,6 +729,18 @@ def test_the_assignment_rules():
         assert hit and set(hit) <= ids, line
     assert static_scan(["import torch\nimport torch.nn.functional as F\nimport math"],
                        ASSIGNMENT.rules) == []
+
+
+def test_the_forbidden_packages_are_unreadable_whole():
+    """transformers and peft: every file of the package, not only its __init__.py, is outside
+    what the child may read, and opening one is reported."""
+    policy = child_policy(ASSIGNMENT.rules)
+    for name in ("transformers", "peft"):
+        folder = Path(importlib.util.find_spec(name).origin).parent
+        assert str(folder) + "/" in policy["sources"], (name, policy["sources"])
+        inside = [p for p in policy["readable"] + policy["listable"]
+                  if Path(p) == folder.resolve() or folder.resolve() in Path(p).parents]
+        assert inside == [], (name, inside[:5])
 
 
 SOLUTION_CELLS = (3, 7, 11)
