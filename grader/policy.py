@@ -35,6 +35,22 @@ def _module_file(name: str) -> Path | None:
     return Path(origin) if origin and origin.endswith(".py") else None
 
 
+def _package_dirs(name: str) -> list[Path]:
+    """The folders of the package ``name`` (not imported), each as found and resolved; [] for a
+    plain module or one not found."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    found: list[Path] = []
+    for location in (getattr(spec, "submodule_search_locations", None) or []) if spec else []:
+        for path in (Path(location), Path(location).resolve()):
+            if path.is_dir() and path not in found:
+                found.append(path)
+    return found
+
+
 def _with_pyc(path: Path) -> list[Path]:
     cache = path.parent / "__pycache__"
     found = [path]
@@ -89,6 +105,11 @@ def child_policy(rules: list[Rule]) -> dict[str, list[str]]:
             excluded.update(_with_pyc(path))
             if r.kind == "module" or target.startswith("utils."):
                 sources += [str(p) for p in _with_pyc(path)]
+        if r.kind == "module":
+            # A forbidden package: its whole folder unreadable, and reading in it reported.
+            folders = _package_dirs(target)
+            excluded.update(p.resolve() for p in folders)
+            sources += [str(p) + "/" for p in folders]
     if any(r.kind == "builtin" for r in rules):
         torch_dir = Path(torch.__file__).resolve().parent
         excluded.update(torch_dir / d for d in ("_decomp", "_refs", "_prims"))

@@ -9,7 +9,10 @@ submissions as they deserve.
 from __future__ import annotations
 
 import csv
+import importlib.util
+import itertools
 import math
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -19,6 +22,7 @@ from assignment_grading import grade, write_submission
 from notebooks import ROOT
 from torch import nn
 
+from grader.policy import child_policy
 from grader.scan import static_scan
 from utils.checks import (
     ASSIGNMENTS,
@@ -29,6 +33,7 @@ from utils.checks import (
 )
 from utils.checks.a9_adapting import (
     ASSIGNMENT,
+    FILL_FINITE,
     LOSS_CHECKER,
     MARGIN,
     TOP_P_CHECKER,
@@ -44,6 +49,7 @@ from utils.checks.a9_lora import (
     MERGE_EXTRA_BIAS,
     lora_reference,
 )
+from utils.checks.compare import fmt, max_diff
 from utils.checks.core import exercise
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +354,71 @@ def test_handwritten_top_p_mistakes(fn, phrase):
     assert not result.passed and any(phrase in h for h in result.hints), result.hints
 
 
+def _top_p_filled_with(fill):
+    def top_p_filter(logits, p, min_tokens_to_keep=1):
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+        remove[..., :min_tokens_to_keep] = False
+        return logits.masked_fill(remove.scatter(-1, order, remove), fill(logits))
+    return top_p_filter
+
+
+def top_p_gathered(logits, p, min_tokens_to_keep=1):
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    remove[..., :min_tokens_to_keep] = False
+    return logits.masked_fill(remove.gather(-1, order), float("-inf"))  # not the inverse
+
+
+def top_p_ascending(logits, p, min_tokens_to_keep=1):
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1)  # the least likely first
+    remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    remove[..., :min_tokens_to_keep] = False
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (_top_p_filled_with(lambda x: -1e9), FILL_FINITE),
+    (_top_p_filled_with(lambda x: torch.finfo(x.dtype).min), FILL_FINITE),
+    (top_p_gathered, "you applied the permutation instead of its inverse: the mask made in "
+                     "sorted order is mapped back with gather(-1, order); use scatter"),
+    (top_p_ascending, "the probabilities are sorted in ascending order"),
+], ids=["minus_1e9", "finfo_min", "gather", "ascending"])
+def test_one_top_p_mistake_is_named_alike_in_every_case(fn, phrase):
+    """Every case that fails names the one mistake made (not another mistake that gives the same
+    output on that case, nor "matches none" with a difference of 1.8e+308)."""
+    for seed in (None, 1, 2, 3):
+        for case, spec in zip(TOP_P_CHECKER.cases, TOP_P_CHECKER.specs(seed), strict=True):
+            hint = TOP_P_CHECKER.judge(spec, exercise(fn, spec))
+            assert hint is None or hint.startswith(phrase), (seed, case.id, hint)
+    assert not check_top_p_filter(fn, verbose=False).passed
+
+
+def test_an_infinite_difference_prints_as_inf():
+    assert max_diff(torch.tensor([-1e9]), torch.tensor([-math.inf])) == math.inf
+    assert fmt(max_diff(torch.tensor([1.0]), torch.tensor([math.nan]))) == "inf"
+
+
+def test_the_top_p_cases_tell_the_mistakes_apart():
+    """On every case, fixed or drawn, two single mistakes that change the output change it each
+    its own way (the fixed batch_one case once gave the same output for two of them)."""
+    for seed in (None, *range(1, 30)):
+        for case, spec in zip(TOP_P_CHECKER.cases, TOP_P_CHECKER.specs(seed), strict=True):
+            x = spec.tensors["logits"].double()
+            right = top_p_reference(x, spec.literals[0], spec.config["min_keep"])
+            outs = {}
+            for m in TOP_P_CHECKER.mistakes:
+                out = top_p_reference(x, spec.literals[0], spec.config["min_keep"], **m.options)
+                if not torch.equal(torch.isfinite(out), torch.isfinite(right)) or not \
+                        torch.allclose(out, right, equal_nan=True):
+                    outs[m.hint[:40]] = out
+            for (a, out_a), (b, out_b) in itertools.combinations(outs.items(), 2):
+                assert not torch.allclose(out_a, out_b, equal_nan=True), (seed, case.id, a, b)
+
+
 # LoRA mistakes as a student writes them: one class each
 
 
@@ -453,6 +524,26 @@ def test_every_lora_mistake_of_the_table_is_made_by_a_class():
         assert any(phrase in mistake.hint for phrase in LORA_MISTAKES), mistake.hint
 
 
+class PeftStyleMerge(LoRA):
+    """peft's way: merge() adds the update to the base layer's weight and returns the base layer,
+    and the module, marked merged, then computes base(x) alone (so its output stays right)."""
+
+    def forward(self, x):
+        return self.base(x) if getattr(self, "merged", False) else LoRA.forward(self, x)
+
+    def merge(self):
+        with torch.no_grad():
+            self.base.weight += self.scaling * self.lora_B @ self.lora_A
+        self.merged = True
+        return self.base
+
+
+def test_a_merge_in_place_that_returns_the_base_layer_is_named():
+    result = check_lora_linear(PeftStyleMerge, verbose=False)
+    assert result.points == 0, result.hints
+    assert all("merge() changes the base layer in place" in h for h in result.hints), result.hints
+
+
 def test_a_base_frozen_but_its_bias_is_still_named():
     result = check_lora_linear(_lora("BiasTrains", __init__=_init_then(_unfreeze_bias)),
                                verbose=False)
@@ -543,7 +634,22 @@ def loss_summed(logits, tokens, prompt_lengths, lengths=None):
             tokens.shape[1]))[b]) - int(prompt_lengths[b]) for b in range(tokens.shape[0]))
 
 
+def loss_divided_by_batch(logits, tokens, prompt_lengths, lengths=None):
+    return loss_summed(logits, tokens, prompt_lengths, lengths) / tokens.shape[0]
+
+
+def loss_not_shifted(logits, tokens, prompt_lengths, lengths=None):
+    batch, length, vocab = logits.shape
+    lengths = torch.full((batch,), length) if lengths is None else lengths
+    position = torch.arange(length)  # position t scored on token t
+    targets = tokens.masked_fill((position < prompt_lengths[:, None])
+                                 | (position >= lengths[:, None]), -100)
+    return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+
+
 @pytest.mark.parametrize("fn, phrase", [
+    (loss_divided_by_batch, "the summed loss is divided by the batch size"),
+    (loss_not_shifted, "the targets are not shifted"),
     (loss_tokens_in_place, "`tokens[:, 1:]` is a view of tokens: clone it"),
     (loss_prompt_counted, "the prompt tokens are left in the loss"),
     (loss_padding_counted, "the padding counts in the loss"),
@@ -553,6 +659,22 @@ def loss_summed(logits, tokens, prompt_lengths, lengths=None):
 def test_handwritten_loss_mistakes(fn, phrase):
     result = check_answer_only_loss(fn, verbose=False)
     assert not result.passed and any(phrase in h for h in result.hints), result.hints
+
+
+# Drawn inputs on which the loss alone of "not shifted" equals that of "the prompt is left in the
+# loss" (the padded case) or the reference's own loss (the prompt_one case), within tolerance.
+LOSS_LOOK_ALIKES = [(450652119, "padded"), (242573670, "prompt_one")]
+
+
+@pytest.mark.parametrize("seed, case_id", LOSS_LOOK_ALIKES)
+def test_a_loss_mistake_is_named_from_the_gradient_too(seed, case_id):
+    specs = dict(zip([c.id for c in LOSS_CHECKER.cases], LOSS_CHECKER.specs(seed), strict=True))
+    spec = specs[case_id]
+    looks = [LOSS_CHECKER.evaluate(spec, grads=False, **o)["out:loss"]
+             for o in ({"shift": False}, {"start": None}, {})]
+    assert any(torch.allclose(looks[0], other, 1e-4, 1e-4) for other in looks[1:]), looks
+    hint = LOSS_CHECKER.judge(spec, exercise(loss_not_shifted, spec))
+    assert hint and "the targets are not shifted" in hint, hint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,6 +731,18 @@ def test_the_assignment_rules():
                        ASSIGNMENT.rules) == []
 
 
+def test_the_forbidden_packages_are_unreadable_whole():
+    """transformers and peft: every file of the package, not only its __init__.py, is outside
+    what the child may read, and opening one is reported."""
+    policy = child_policy(ASSIGNMENT.rules)
+    for name in ("transformers", "peft"):
+        folder = Path(importlib.util.find_spec(name).origin).parent
+        assert str(folder) + "/" in policy["sources"], (name, policy["sources"])
+        inside = [p for p in policy["readable"] + policy["listable"]
+                  if Path(p) == folder.resolve() or folder.resolve() in Path(p).parents]
+        assert inside == [], (name, inside[:5])
+
+
 SOLUTION_CELLS = (3, 7, 11)
 
 TOP_P_DROPS_CROSSING_CELL = '''
@@ -637,6 +771,28 @@ def answer_only_loss(logits, tokens, prompt_lengths, lengths=None):
     return _ref.answer_only_reference(logits, tokens, prompt_lengths, lengths)
 '''
 
+TOP_P_READS_TRANSFORMERS_CELL = '''
+import glob
+import sys
+
+_found = {}
+for _folder in sys.path:
+    for _path in glob.glob(_folder + "/transformers/generation/logits_process.py"):
+        try:
+            _src = open(_path).read()
+            _start = _src.index("class TopPLogitsWarper")
+            _code = _src[_start:_src.index("\\nclass ", _start + 10)]
+            _code = _code.replace("@add_start_docstrings(LOGITS_PROCESSOR_INPUTS_DOCSTRING)", "")
+            exec(_code, _found.setdefault("ns", {"torch": torch, "LogitsProcessor": object}))
+        except Exception:
+            pass
+
+
+def top_p_filter(logits, p, min_tokens_to_keep=1):
+    warper = _found["ns"]["TopPLogitsWarper"](top_p=p, min_tokens_to_keep=min_tokens_to_keep)
+    return warper(None, logits.clone())
+'''
+
 # student: ({solution cell index: source}, expectation)
 SUBMISSIONS = {
     "ok_a9_book": ({}, "full"),
@@ -644,6 +800,8 @@ SUBMISSIONS = {
     "evil_a9_transformers": ({3: TOP_P_FROM_TRANSFORMERS_CELL}, "imports transformers"),
     "evil_a9_checker_reference": ({11: LOSS_FROM_CHECKER_CELL},
                                   "tried to read the book's sources or reference code"),
+    "evil_a9_reads_transformers": ({3: TOP_P_READS_TRANSFORMERS_CELL},
+                                   "tried to read the book's sources or reference code"),
 }
 
 
@@ -695,6 +853,9 @@ def test_the_hostile_submissions_are_flagged(graded):
     rows = graded[0]
     assert "reference used" in rows["evil_a9_transformers"]["flags"], rows["evil_a9_transformers"]
     assert float(rows["evil_a9_transformers"]["top_p_filter.basic"]) == 0
+    reader = rows["evil_a9_reads_transformers"]  # the package's files, not only __init__.py
+    assert "reference used" in reader["flags"], reader
+    assert float(reader["top_p_filter.basic"]) == 0
     evil = rows["evil_a9_checker_reference"]
     assert "reference used" in evil["flags"], evil
     assert float(evil["answer_only_loss.padded"]) == 0

@@ -3,7 +3,7 @@
 One module per assignment, in the book's order (`a1_attention`, `a2_multi_head_attention`,
 `a3_masks` with `a3_mask_tests`, `a4_positional_layer_norm`, `a5_feed_forward`,
 `a6_encoder_layer`, `a7_decoder_layer`, `a8_train` with `a8_judges`, `a9_adapting` with
-`a9_lora`), on a small shared core:
+`a9_lora` and `a9_loss`), on a small shared core:
 
 * `core`: the student side (`Spec`, `exercise`);
 * `checker` (with `compare`): the trusted side, a reference, its mistakes and its cases
@@ -49,7 +49,7 @@ _WHERE = {
     "check_training": "a8_train",
     "check_top_p_filter": "a9_adapting",
     "check_lora_linear": "a9_lora",
-    "check_answer_only_loss": "a9_adapting",
+    "check_answer_only_loss": "a9_loss",
     "ASSIGNMENTS": "assignments",
     "CaseResult": "results",
     "CheckResult": "results",

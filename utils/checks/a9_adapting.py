@@ -8,22 +8,22 @@ The student writes
   fewer than ``min_tokens_to_keep`` tokens: the semantics of `transformers`' ``TopPLogitsWarper``,
   which is the reference when no mistake is reproduced;
 * ``LoRALinear(base, r, alpha)`` (its checker is `a9_lora`);
-* ``answer_only_loss(logits, tokens, prompt_lengths, lengths=None)``: the mean next-token
-  cross-entropy over the answer tokens only. The reference builds the targets itself
-  (``tokens[:, 1:]``, -100 wherever the predicted token is a prompt token or padding) and calls
-  ``F.cross_entropy(..., ignore_index=-100)``.
+* ``answer_only_loss(logits, tokens, prompt_lengths, lengths=None)`` (its checker is
+  `a9_loss`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .a9_lora import LORA_CHECKER, check_lora_linear, lora_reference
+from .a9_loss import LOSS_CHECKER, answer_only_reference, check_answer_only_loss
 from .checker import Case, Checker, Mistake, run_in_process
+from .compare import allclose
 from .core import Spec
 from .guard import Assignment, Rule
 from .results import CheckResult
@@ -46,7 +46,7 @@ def _warper(logits: torch.Tensor, p: float, min_keep: int) -> torch.Tensor:
 
 def top_p_reference(logits: torch.Tensor, p: float, min_keep: int = 1, *, order: str = "desc",
                     crossing: str = "kept", use_min_keep: bool = True, mass: str = "probs",
-                    unsort: bool = True, invert: bool = False, fill: str = "-inf",
+                    unsort: bool | str = True, invert: bool = False, fill: str | float = "-inf",
                     output: str = "logits") -> torch.Tensor:
     """The nucleus filter of (B, V) ``logits``, written with the most likely token first.
 
@@ -55,8 +55,9 @@ def top_p_reference(logits: torch.Tensor, p: float, min_keep: int = 1, *, order:
     ``order`` ("desc", "asc": the least likely first, "vocab": the cumulative mass taken in the
     vocabulary's order, before sorting), ``crossing`` ("kept", "dropped": the token whose
     probability crosses p removed), ``use_min_keep``, ``mass`` ("probs", "logits": no softmax),
-    ``unsort`` (False: the mask made in sorted order applied to the vocabulary's order),
-    ``invert`` (the kept and removed tokens swapped), ``fill`` ("-inf", "zero") and
+    ``unsort`` (False: the mask made in sorted order applied to the vocabulary's order,
+    "gather": mapped back with the sort's permutation instead of its inverse), ``invert`` (the
+    kept and removed tokens swapped), ``fill`` ("-inf", "zero" or a number) and
     ``output`` ("logits", "probs": the renormalized probabilities returned).
     """
     probs = torch.softmax(logits, dim=-1) if mass == "probs" else logits
@@ -71,58 +72,25 @@ def top_p_reference(logits: torch.Tensor, p: float, min_keep: int = 1, *, order:
         remove = cumulative > p
     if use_min_keep:
         remove[..., :min_keep] = False
-    if unsort:
+    if unsort == "gather":  # with the order of torch's default (unstable) sort, as students sort
+        if order != "vocab":
+            index = probs.sort(dim=-1, descending=order == "desc").indices
+        remove = remove.gather(-1, index)
+    elif unsort:
         remove = remove.scatter(-1, index, remove)
     if invert:
         remove = ~remove
     if output == "probs":
         return torch.softmax(logits.masked_fill(remove, -torch.inf), dim=-1)
-    return logits.masked_fill(remove, -torch.inf if fill == "-inf" else 0.0)
-
-
-def answer_only_reference(logits: torch.Tensor, tokens: torch.Tensor,
-                          prompt_lengths: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                          start: int = -1, end: int = -1, reduce: str = "mean",
-                          shift: bool = True, log_softmax: bool = True) -> torch.Tensor:
-    """The mean cross-entropy of the answer tokens, from targets built here.
-
-    Position j predicts token j + 1; it counts when ``prompt_len + start <= j < length + end``
-    (``start`` = -1: the last prompt token predicts the first answer token; ``end`` = -1: the
-    last real token predicts nothing). Switches reproduce mistakes: ``start`` 0 (the first
-    answer token dropped), -2 (the last prompt token kept), None (the prompt counted); ``end``
-    0 (the first padding token predicted), None (the padding counted); ``reduce`` ("mean",
-    "sum", "all": divided by every position, "sequence": a mean per sequence, then over the
-    batch); ``shift`` False (position t scored on token t); ``log_softmax`` False (the
-    negative logit of the target, without the softmax).
-    """
-    b, length, vocab = logits.shape
-    full = torch.full((b,), length, dtype=torch.long)
-    lengths = full if lengths is None else lengths.long()
-    if shift:
-        scores, targets, pos = logits[:, :-1], tokens[:, 1:].clone(), torch.arange(length - 1)
-    else:
-        scores, targets, pos = logits, tokens.clone(), torch.arange(length) - 1
-    first = torch.zeros_like(full) if start is None else prompt_lengths.long() + start
-    last = full if end is None else lengths + end
-    keep = (pos[None, :] >= first[:, None]) & (pos[None, :] < last[:, None])
-    targets = targets.masked_fill(~keep, -100)
-    flat = scores.reshape(-1, vocab)
-    if log_softmax:
-        losses = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="none")
-    else:
-        losses = F.nll_loss(flat, targets.reshape(-1), ignore_index=-100, reduction="none")
-    losses = losses.reshape(targets.shape)
-    if reduce == "mean":
-        return losses.sum() / keep.sum()
-    if reduce == "sum":
-        return losses.sum()
-    if reduce == "all":
-        return losses.sum() / keep.numel()
-    return (losses.sum(dim=1) / keep.sum(dim=1)).mean()
+    value = {"-inf": -torch.inf, "zero": 0.0}.get(fill, fill) if isinstance(fill, str) else fill
+    return logits.masked_fill(remove, float(value))
 
 
 # --------------------------------------------------------------------------------------------
 # The checkers
+
+
+FILL_FINITE = "the right tokens are removed, but with a large finite value: set them to -inf"
 
 
 class TopPChecker(Checker):
@@ -148,6 +116,9 @@ class TopPChecker(Checker):
         Mistake("the mask made in sorted order is applied to the tokens in the vocabulary's "
                 "order: map it back with the sort's indices (scatter) before masking",
                 {"unsort": False}),
+        Mistake("you applied the permutation instead of its inverse: the mask made in sorted "
+                "order is mapped back with gather(-1, order); use scatter(-1, order, mask)",
+                {"unsort": "gather"}),
         Mistake("kept and removed are swapped: the tokens of the nucleus must keep their logits "
                 "and the others get -inf", {"invert": True}),
         Mistake("removed tokens are set to 0: a logit of 0 is still a likely token; set them to "
@@ -163,6 +134,14 @@ class TopPChecker(Checker):
         if options:
             return {"output": top_p_reference(x["logits"], top_p, min_keep, **options)}, {}
         return {"output": _warper(x["logits"], top_p, min_keep)}, {}
+
+    def extra_variants(self, spec: Spec, raw: dict[str, torch.Tensor]) -> list[Mistake]:
+        """The right mask filled with the student's smallest value, when that is finite."""
+        got = raw.get("out:output")
+        if got is None or got.numel() == 0 or not got.is_floating_point():
+            return []
+        low = float(got.double().min())
+        return [Mistake(FILL_FINITE, {"fill": low})] if math.isfinite(low) and low != 0 else []
 
     def _judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
         hint = super()._judge(spec, raw)
@@ -180,56 +159,6 @@ class TopPChecker(Checker):
         counts = f"{int(kept.sum())} tokens kept in all where the reference keeps " \
                  f"{int(right.sum())}"
         return f"{counts}: compare your mask with the rule step by step"
-
-
-class LossChecker(Checker):
-    """The checker of ``answer_only_loss``."""
-
-    name = "check_answer_only_loss"
-    target = "answer_only_loss"
-    shape_desc = {"loss": "()"}
-    mistakes = (
-        Mistake("the first answer token is left out of the loss: it is predicted at position "
-                "prompt_len - 1 (the last prompt token), whose target is kept", {"start": 0}),
-        Mistake("the prediction made at position prompt_len - 2 (of the last prompt token) "
-                "counts: only the predictions of answer tokens count, from position "
-                "prompt_len - 1 on", {"start": -2}),
-        Mistake("the prompt tokens are left in the loss: set the targets of every position "
-                "before prompt_len - 1 to -100", {"start": None}),
-        Mistake("the padding counts in the loss: positions from length - 1 on predict padding; "
-                "set their targets to -100", {"end": None}),
-        Mistake("the prediction made at the last real token (of the first padding token) "
-                "counts: the last real token predicts nothing, keep positions below length - 1",
-                {"end": 0}),
-        Mistake("the loss is summed over the answer tokens: take the mean over them (over every "
-                "answer token of the batch)", {"reduce": "sum"}),
-        Mistake("the masked sum is divided by every position, prompt and padding included: "
-                "divide by the number of answer tokens", {"reduce": "all"}),
-        Mistake("the loss is a mean per sequence, then a mean over the batch: take one mean "
-                "over every answer token of the batch, so that a longer answer weighs more",
-                {"reduce": "sequence"}),
-        Mistake("the targets are not shifted: position t predicts token t + 1, so compare "
-                "logits[:, :-1] with tokens[:, 1:]", {"shift": False}),
-        Mistake("the log-softmax is missing (nll_loss on raw logits): use F.cross_entropy, "
-                "which applies it", {"log_softmax": False}),
-    )
-
-    def forward(self, spec: Spec, x: dict[str, torch.Tensor], p: dict[str, torch.Tensor],
-                **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        loss = answer_only_reference(x["logits"], x["tokens"], x["prompt_lengths"],
-                                     x.get("lengths"), **options)
-        return {"loss": loss}, {}
-
-    def _judge(self, spec: Spec, raw: dict[str, Any]) -> str | None:
-        hint = super()._judge(spec, raw)
-        if hint and "input `tokens` in place" in hint:
-            hint += " (`tokens[:, 1:]` is a view of tokens: clone it before writing -100)"
-        return hint
-
-    def localize(self, spec: Spec, tensors: dict[str, torch.Tensor],
-                 ref: dict[str, torch.Tensor], name: str) -> str:
-        return ("compare the positions you keep with the rule: position j predicts token "
-                "j + 1 and counts when prompt_len - 1 <= j < length - 1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +192,22 @@ def _fair(logits: torch.Tensor, p: float, min_keep: int) -> torch.Tensor:
     return ok
 
 
+def _distinct(logits: torch.Tensor, p: float, min_keep: int) -> bool:
+    """Whether the single mistakes that change the output of ``logits`` change it each its own
+    way, so that the one a submission makes is the one named."""
+    x = logits.double()
+    right = top_p_reference(x, p, min_keep)
+    seen: list[torch.Tensor] = []
+    for mistake in TopPChecker.mistakes:
+        out = top_p_reference(x, p, min_keep, **mistake.options)
+        if allclose(out, right, 1e-4, 1e-4, equal_nan=True):
+            continue
+        if any(allclose(out, other, 1e-4, 1e-4, equal_nan=True) for other in seen):
+            return False
+        seen.append(out)
+    return True
+
+
 def _top_p_case(batch: int, vocab: int, p: float, min_keep: int | None = None, *,
                 scale: float = 2.0, ties: bool = False, dtype: torch.dtype = torch.float32,
                 masked: int = 0) -> Callable[[torch.Generator], Spec]:
@@ -276,33 +221,18 @@ def _top_p_case(batch: int, vocab: int, p: float, min_keep: int | None = None, *
 
     def make(gen: torch.Generator) -> Spec:
         keep = 1 if min_keep is None else min_keep
-        logits = draw(gen, batch)
-        for _ in range(1000):  # redraw the rows where a rounding or a tie could decide
-            bad = ~_fair(logits, p, keep)
-            if not bad.any():
+        for _ in range(100):  # redraw when two mistakes would give the same output
+            logits = draw(gen, batch)
+            for _ in range(1000):  # redraw the rows where a rounding or a tie could decide
+                bad = ~_fair(logits, p, keep)
+                if not bad.any():
+                    break
+                logits[bad] = draw(gen, int(bad.sum()))
+            if _distinct(logits.to(dtype), p, keep):
                 break
-            logits[bad] = draw(gen, int(bad.sum()))
         literals: list[Any] = [p] if min_keep is None else [p, min_keep]
         return Spec("function", {"logits": logits.to(dtype)}, ["logits"], literals=literals,
                     out_dtype=str(dtype), config={"min_keep": keep})
-    return make
-
-
-def _loss_case(prompts: list[int], lengths: list[int] | None, length: int, vocab: int = 11,
-               dtype: torch.dtype = torch.float32) -> Callable[[torch.Generator], Spec]:
-    def make(gen: torch.Generator) -> Spec:
-        b = len(prompts)
-        tensors = {"logits": 2.0 * torch.randn(b, length, vocab, generator=gen).to(dtype),
-                   "tokens": torch.randint(0, vocab, (b, length), generator=gen),
-                   "prompt_lengths": torch.tensor(prompts)}
-        kwargs = {}
-        if lengths is not None:
-            tensors["lengths"] = torch.tensor(lengths)
-            kwargs = {"lengths": "lengths"}
-        return Spec("function", tensors, ["logits", "tokens", "prompt_lengths"], kwargs=kwargs,
-                    outputs=["loss"], out_dtype=str(dtype),
-                    grad_out={"loss": torch.randn((), generator=gen).to(dtype)},
-                    grad_inputs=["logits"])
     return make
 
 
@@ -319,18 +249,6 @@ TOP_P_CHECKER = TopPChecker([
          _top_p_case(2, 30, 0.8, 2, dtype=torch.float64)),
     Case("batch_one", "a batch of 1 whose logits already hold -inf, p = 0.95",
          _top_p_case(1, 24, 0.95, masked=6)),
-])
-
-LOSS_CHECKER = LossChecker([
-    Case("padded", "3 sequences of length 10 with padding, prompts of 2 to 4 tokens",
-         _loss_case([3, 2, 4], [9, 6, 10], 10), points=2),
-    Case("no_lengths", "lengths=None: no padding, 2 sequences of length 8",
-         _loss_case([2, 5], None, 8)),
-    Case("prompt_one", "a prompt of 1 token (the first prediction counts) and padding",
-         _loss_case([1, 3], [7, 5], 8)),
-    Case("one_answer", "answers of 1 and 2 tokens, float64 logits",
-         _loss_case([4, 3, 2], [5, 5, 9], 9, dtype=torch.float64)),
-    Case("batch_one", "a batch of 1 without padding", _loss_case([3], [8], 8)),
 ])
 
 _FORBIDDEN = (
@@ -350,7 +268,7 @@ ASSIGNMENT = Assignment(
         *(Rule("module", target, reason) for target, reason in _FORBIDDEN),
         Rule("code", __name__, "uses the checker's own reference top-p filter",
              qualname="top_p_reference"),
-        Rule("code", __name__, "uses the checker's own reference loss",
+        Rule("code", answer_only_reference.__module__, "uses the checker's own reference loss",
              qualname="answer_only_reference"),
         Rule("code", lora_reference.__module__, "uses the checker's own reference LoRA layer",
              qualname="lora_reference"),
@@ -368,9 +286,3 @@ def check_top_p_filter(fn: Any, verbose: bool = True) -> CheckResult:
     return run_in_process(TOP_P_CHECKER, fn, verbose)
 
 
-def check_answer_only_loss(fn: Any, verbose: bool = True) -> CheckResult:
-    """Check ``fn(logits, tokens, prompt_lengths, lengths=None) -> ()`` loss and its gradient.
-
-    Compared with ``F.cross_entropy(ignore_index=-100)`` on targets the checker builds itself.
-    """
-    return run_in_process(LOSS_CHECKER, fn, verbose)

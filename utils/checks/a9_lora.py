@@ -27,7 +27,8 @@ from .results import CheckResult
 from .runners import LORA_KIND
 
 __all__ = ["LORA_CHECKER", "check_lora_linear", "lora_reference", "B_NOT_ZERO", "A_ZERO",
-           "INIT_SWAPPED", "BASE_NOT_FROZEN", "MERGE_NO_BIAS", "MERGE_EXTRA_BIAS"]
+           "INIT_SWAPPED", "BASE_NOT_FROZEN", "MERGE_NO_BIAS", "MERGE_EXTRA_BIAS",
+           "MERGE_IN_PLACE", "MERGE_RETURNS_BASE"]
 
 B_NOT_ZERO = ("lora_B is not initialised to zero: at the start the adapted layer must compute "
               "exactly what the base layer computes (x A^T B^T = 0 when B = 0), so that "
@@ -40,6 +41,12 @@ BASE_NOT_FROZEN = ("the base layer is not frozen: set requires_grad to False on 
 MERGE_NO_BIAS = "merge() drops the base layer's bias: the merged nn.Linear keeps it"
 MERGE_EXTRA_BIAS = ("merge() gives the merged layer a bias that the base layer does not have "
                     "(nn.Linear draws one at random): build it with bias=False, or zero it")
+MERGE_IN_PLACE = ("merge() changes the base layer in place, so that the LoRA module itself now "
+                  "adds the update twice: build a new nn.Linear (or copy the weight) and leave "
+                  "the module as it was")
+MERGE_RETURNS_BASE = ("merge() changes the base layer in place (or returns the base layer "
+                      "itself): build a new nn.Linear (or copy the weight) and leave the module "
+                      "as it was")
 INIT_SWAPPED = ("the initialisations of A and B are swapped: B (out_features, r) starts at zero "
                 "and A (r, in_features) at random")
 
@@ -59,8 +66,8 @@ def lora_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     Switches reproduce mistakes: ``scale`` ("alpha_over_r", "one", "r_over_alpha", "floor":
     alpha // r, "alpha"), ``base`` (False: the base layer's output left out), ``merge``
     ("right", "transposed": (B A)^T added, "unscaled", "none": W returned as it is, "no_bias",
-    "in_place": the base layer's weight overwritten by the merge, so the module's output after
-    it counts the update twice).
+    "in_place": the base layer's weight overwritten by the merge and returned, so the module's
+    output after it counts the update twice).
     """
     s = _scaling(alpha, r, scale)
     update = x @ lora_a.T @ lora_b.T * s
@@ -71,9 +78,11 @@ def lora_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         merged = {"unscaled": weight + delta, "none": weight}.get(merge, weight + s * delta)
     merged_bias = bias if bias is not None and merge != "no_bias" else weight.new_zeros(0)
-    after = F.linear(x, merged, bias) + update if merge == "in_place" else out
+    in_place = merge == "in_place"
+    after = F.linear(x, merged, bias) + update if in_place else out
     return {"output": out, "merged_weight": merged, "merged_bias": merged_bias,
-            "after_merge": after}
+            "after_merge": after, "merged_is_base": weight.new_tensor([float(in_place)]),
+            "base_after_merge": merged if in_place else weight}
 
 
 class LoRAChecker(Checker):
@@ -103,9 +112,7 @@ class LoRAChecker(Checker):
         Mistake("merge() returns the base layer's weight unchanged: add scaling * B @ A to it",
                 {"merge": "none"}),
         Mistake(MERGE_NO_BIAS, {"merge": "no_bias"}),
-        Mistake("merge() changes the base layer in place, so that the LoRA module itself now "
-                "adds the update twice: build a new nn.Linear (or copy the weight) and leave "
-                "the module as it was", {"merge": "in_place"}),
+        Mistake(MERGE_IN_PLACE, {"merge": "in_place"}),
         Mistake(BASE_NOT_FROZEN, {"frozen": "none"}),
         Mistake("lora_A and lora_B do not require gradients: they are the trainable parameters",
                 {"frozen": "all"}),
@@ -143,6 +150,12 @@ class LoRAChecker(Checker):
             got, want = tensors["out:trainable"], ref["out:trainable"]
             if not allclose(got, want, 0.0, 0.0) and allclose(got[2:], want[2:], 0.0, 0.0):
                 return BASE_NOT_FROZEN  # the weight, the bias or both train
+        if name in ("merged_is_base", "base_after_merge") and tuple(
+                tensors[f"out:{name}"].shape) == tuple(ref[f"out:{name}"].shape):
+            # Whatever the module computes after it (peft's merged flag), merge() leaves the
+            # base layer as it was and returns a layer of its own.
+            same = allclose(tensors[f"out:{name}"], ref[f"out:{name}"], ATOL, RTOL)
+            return None if same else MERGE_RETURNS_BASE
         if name == "merged_bias":
             got, want = tensors["out:merged_bias"], ref["out:merged_bias"]
             if got.numel() == 0 and want.numel():
@@ -185,7 +198,7 @@ def _lora_case(d_in: int, d_out: int, bias: bool, r: int, alpha: float,
             tensors["base.bias"] = 0.3 * torch.randn(d_out, generator=gen)
         return Spec(LORA_KIND, tensors, ["x"], literals=[d_in, d_out, bias, r, alpha],
                     outputs=["output", "trainable", "init_B", "init_A", "merged_weight",
-                             "merged_bias", "after_merge"],
+                             "merged_bias", "after_merge", "merged_is_base", "base_after_merge"],
                     grad_out={"output": torch.randn(*lead, d_out, generator=gen)},
                     grad_inputs=["x", "lora_A", "lora_B"])
     return make

@@ -49,7 +49,7 @@ def allclose(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float,
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest absolute difference (NaN counts as infinite)."""
     d = (a.detach().double() - b.detach().double()).abs()
-    d = torch.nan_to_num(d, nan=math.inf)
+    d = torch.nan_to_num(d, nan=math.inf, posinf=math.inf)  # inf stays inf, not the largest float
     return float(d.max()) if d.numel() else 0.0
 
 

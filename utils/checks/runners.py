@@ -261,7 +261,9 @@ def run_lora(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
     `torch.func.functional_call`, so that their gradients come back), which of ``base.weight``,
     ``base.bias``, ``lora_A``, ``lora_B`` require a gradient (as 0 or 1), ``lora_B`` and
     ``lora_A`` as the module made them, ``merge()``'s weight and bias (an empty tensor when it
-    has none) after the case's adapters are copied in, and the module's output after the merge.
+    has none) after the case's adapters are copied in, the module's output after the merge,
+    whether ``merge()`` returned the base layer itself (as 0 or 1) and the base layer's weight
+    after the merge.
     """
     d_in, d_out, has_bias, r, alpha = spec.literals
     base = torch.nn.Linear(int(d_in), int(d_out), bias=bool(has_bias))
@@ -297,10 +299,11 @@ def run_lora(obj: Any, spec: Spec, inputs: dict[str, torch.Tensor]) -> Any:
         raise StudentError("type", f"merge() returned {type(merged).__name__}, expected an "
                                    "nn.Linear")
     merged_bias = merged.bias.detach().clone() if merged.bias is not None else torch.zeros(0)
+    merged_weight, base_after = merged.weight.detach().clone(), base.weight.detach().clone()
     with torch.no_grad():
         after = module(inputs["x"].detach())
-    return (out, trainable, init_b, init_a, merged.weight.detach().clone(), merged_bias,
-            after)
+    return (out, trainable, init_b, init_a, merged_weight, merged_bias, after,
+            torch.tensor([float(merged is base)]), base_after)
 
 
 register_runner(LORA_KIND, run_lora)
