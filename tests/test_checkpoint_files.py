@@ -423,3 +423,22 @@ def test_a_renamed_key_is_named_with_its_missing_partner(small, tmp_path):
         r"\['model\.layers\.1\.self_attn\.q_proj\.weight'\]",
     ):
         load_llama(target)
+
+
+def test_tensors_are_listed_in_the_files_order(sharded, small):
+    """read_checkpoint lists the tensors as the file does (chapter 14 prints them so); a
+    sharded checkpoint's, shard after shard."""
+    from safetensors import safe_open
+
+    from utils.pretrained import read_checkpoint
+
+    folder = small["gpt2"][0]
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        in_file = list(f.keys())
+    assert list(read_checkpoint(folder)[1]) == in_file
+    folder = sharded["llama"][0]
+    in_shards = []
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            in_shards += list(f.keys())
+    assert list(read_checkpoint(folder)[1]) == in_shards

@@ -160,9 +160,9 @@ class StoredTensors:
         """Open one weight file; with ``expected`` (a shard), check it holds exactly those keys."""
         handle = safe_open(str(path), framework="pt", device="cpu")
         self._handles[path.name] = handle
-        keys = set(handle.keys())
-        if expected is not None and keys != expected:
-            lacks, extra = sorted(expected - keys), sorted(keys - expected)
+        keys = list(handle.keys())  # in the file's order: the order the tensors are listed in
+        if expected is not None and set(keys) != expected:
+            lacks, extra = sorted(expected - set(keys)), sorted(set(keys) - expected)
             raise ValueError(
                 f"shard {path}: "
                 + (
