@@ -53,6 +53,9 @@ KEY_TERMS: list[tuple[str, str]] = [
     ("tokenizer", "book/15_tokens_and_real_text"),
     ("ring attention", "book/16_beyond_one_machine"),
     ("bfloat16", "book/17_devices_and_precision"),
+    ("top-p", "book/18_choosing_the_next_token"),
+    ("instruction tuning", "book/19_fine_tuning"),
+    ("LoRA", "book/20_lora_and_preferences"),
 ]
 # Words that are no key term (book/_ext/tested_transformer_search.py): the chapter whose
 # headings treat them must still come first or second, not be pushed down by the key terms of

@@ -74,6 +74,8 @@ ROLE_RE = re.compile(r"\{(cite|ref|numref|eq|term|doc|download|prf:ref)(:[a-z]+)
 BIBLIOGRAPHY_ENTRY_RE = re.compile(
     r"^\s{0,2}\[([A-Z][^\[\]\n]*?, (?:\d{4}|n\.d\.)[a-z]?)\] \S", re.MULTILINE
 )
+# A line of the table of contents: an entry, dot leaders, a page number.
+TOC_LINE = re.compile(r"(?:\. ){8,}\.?\s*[\dxvi]+\s*$", re.M)
 MATH_ALPHANUMERICS = re.compile("[\U0001d400-\U0001d7ff]")
 
 
@@ -438,11 +440,16 @@ def test_nothing_runs_under_the_footer_or_off_the_page(boxes):
                        "page's end?):\n" + "\n".join(found[:30]))
 
 
-def test_no_near_empty_page_before_a_chapter_ends(boxes, rendered):
+def test_no_near_empty_page_before_a_chapter_ends(boxes, rendered, pages):
     found_boxes, heights = boxes
     g = geometry(found_boxes)
     bottoms = text_bottoms(found_boxes, g)
     fills = {p: fill(data, heights[p], g, bottoms.get(p, 0.0)) for p, data in rendered.items()}
+    # The table of contents ends where its last entry does, and the book's first page (the
+    # introduction, which carries a running head) starts on a fresh page after it: its last
+    # page is not a chapter cut short. Its pages are those of dot-leader lines.
+    contents = {i for i, page in enumerate(pages, start=1) if TOC_LINE.search(page)}
+    fills = {p: f for p, f in fills.items() if p not in contents}
     found = near_empty_pages(fills, {p: p in running_heads(found_boxes, g) for p in fills})
     assert not found, ("near-empty pages in the middle of a chapter (a table or figure that "
                        "did not fit?):\n" + "\n".join(found))

@@ -79,6 +79,14 @@ KEY_TERMS: dict[str, str] = {
     "book/17_devices_and_precision": (
         "bfloat16, float16, mixed precision, autocast, loss scaling, cuda graphs"
     ),
+    "book/18_choosing_the_next_token": (
+        "top-p, nucleus sampling, top-k, min-p, beam search, repetition penalty, "
+        "sampling"
+    ),
+    "book/19_fine_tuning": (
+        "fine-tuning, instruction tuning, classification head, answer-only loss"
+    ),
+    "book/20_lora_and_preferences": "lora, low-rank adaptation, dpo, preference tuning",
 }
 
 
