@@ -1,12 +1,24 @@
-"""Tests for utils.data: the specials, vocabularies, padding and BERT's masking rule (the toy
-tasks that build on them are tested in test_tasks.py)."""
+"""Tests for utils.data: the specials, vocabularies, padding, BERT's masking rule and the random
+windows of language-model training (the toy tasks that build on them are tested in
+test_tasks.py)."""
+
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from utils._validation import InputTypeError
-from utils.data import BOS, EOS, PAD, SPECIALS, Vocab, bert_mask_tokens, pad_sequences
+from utils.data import (
+    BOS,
+    EOS,
+    PAD,
+    SPECIALS,
+    Vocab,
+    bert_mask_tokens,
+    pad_sequences,
+    random_windows,
+)
 from utils.masks import padding_mask
 
 
@@ -111,3 +123,56 @@ def test_bert_mask_tokens_errors():
         bert_mask_tokens(torch.tensor([3, 4]), 14, 14)
     with pytest.raises(ValueError, match="select_prob"):
         bert_mask_tokens(torch.tensor([3, 4]), 13, 14, select_prob=1.5)
+
+
+def test_random_windows_are_consecutive_ids_at_seeded_uniform_starts():
+    ids = torch.arange(1000, 1050)  # id = 1000 + position: a window shows where it starts
+    batches = random_windows(ids, context=8, batch_size=4, seed=3)
+    drawn = torch.cat([next(batches) for _ in range(500)])  # (2000, 9)
+    assert drawn.shape == (2000, 9) and drawn.dtype == ids.dtype
+    starts = drawn[:, 0] - 1000
+    assert torch.equal(drawn, ids[starts[:, None] + torch.arange(9)])  # consecutive
+    # every start that fits (0 .. 41) occurs, none past it, and no start is favoured
+    counts = torch.bincount(starts, minlength=42)
+    assert len(counts) == 42 and counts.min() > 20 and counts.max() < 80
+    # the same seed gives the same batches, another seed others, and the global state is
+    # neither read nor changed
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    again = random_windows(ids, 8, 4, seed=3)
+    assert torch.equal(torch.cat([next(again) for _ in range(500)]), drawn)
+    assert torch.equal(torch.get_rng_state(), before)
+    other = random_windows(ids, 8, 4, seed=4)
+    assert not torch.equal(torch.cat([next(other) for _ in range(5)]), drawn[:20])
+    # the last start that fits is drawn: the window then ends at the last id
+    tight = next(random_windows(ids[:10], context=9, batch_size=3))
+    assert torch.equal(tight, ids[:10].expand(3, 10))
+
+
+def test_random_windows_equal_the_chapters_loop():
+    """The sampler chapter 15 writes out: the same generator calls, the same windows."""
+    ids, context, batch_size = torch.randint(0, 320, (5000,)), 32, 16
+    gen = torch.Generator().manual_seed(7)
+    offsets = torch.arange(context + 1)
+    ours = random_windows(ids, context, batch_size, seed=7)
+    for _ in range(20):
+        starts = torch.randint(0, len(ids) - context, (batch_size,), generator=gen)
+        assert torch.equal(next(ours), ids[starts[:, None] + offsets])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([1, 2, 3], 1, 1), "ids must be a 1-dim integer tensor, got list"),
+        ((torch.zeros(5), 1, 1), "1-dim integer tensor, got shape (5,) of torch.float32"),
+        ((torch.zeros(2, 5, dtype=torch.long), 1, 1), "got shape (2, 5)"),
+        ((torch.arange(5), 5, 1), "more than context=5 ids (a window is context + 1), got 5"),
+        ((torch.arange(5), 0, 1), "context"),
+        ((torch.arange(5), 2, 0), "batch_size"),
+        ((torch.arange(5), 2, 1, -1), "seed"),
+        ((torch.arange(5), 2.0, 1), "context"),
+    ],
+)
+def test_random_windows_refuses_bad_arguments_naming_them(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        random_windows(*args)

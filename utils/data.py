@@ -15,6 +15,10 @@ unless a maker is given ``device=``; ``batch.to(device)`` returns a copy with ev
 random token, 10% stay), for chapter 10's comparison with the simpler rule of
 `utils.tasks.MissingDigitTask`.
 
+`random_windows` draws the training batches of a language model trained on one long text
+(chapter 15 derives it; chapters 18 to 20 train with it): windows of ``context + 1`` consecutive
+ids at random starts, the first ``context`` the input and the last ``context`` the targets.
+
 Every count (sizes, ``pad_to``, ``vocab_size``) must be an int (not a bool, not a float such as
 2.0) in its range, and token ids must be integers: anything else raises `ValueError`, or
 `utils._validation.InputTypeError` (a `TypeError` and a `ValueError`) for a wrong type. Nothing
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +51,7 @@ __all__ = [
     "MLMBatch",
     "bert_mask_tokens",
     "book_prose",
+    "random_windows",
 ]
 
 PAD, BOS, EOS = 0, 1, 2
@@ -413,3 +418,54 @@ def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = 
         cells = json.loads(found[number].read_text(encoding="utf-8"))["cells"]
         texts += ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
     return "\n\n".join(texts)
+
+
+def random_windows(
+    ids: torch.Tensor, context: int, batch_size: int, seed: int = 0
+) -> Iterator[torch.Tensor]:
+    """Batches of windows of ``context + 1`` consecutive ids at uniformly random starts, forever.
+
+    Each batch draws ``batch_size`` starts from ``torch.randint(0, len(ids) - context)`` with a
+    generator of its own seeded by ``seed`` (so the batches do not depend on, or change, the
+    global random state), and gathers ``ids[start : start + context + 1]`` for each: the input
+    is ``window[:, :-1]`` and the next-token targets ``window[:, 1:]``. Every window fits in
+    ``ids``; one start is as likely as any other.
+
+    Args:
+        ids: the text as token ids, a 1-dim integer tensor of N > ``context`` ids.
+        context: the positions the model reads, a positive int.
+        batch_size: windows per batch B, a positive int.
+        seed: the seed of the batches' generator, an int >= 0.
+
+    Returns:
+        An endless iterator of (B, context + 1) tensors of ``ids``' dtype.
+
+    Raises:
+        ValueError or InputTypeError: for a bad argument, naming it, when called.
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise InputTypeError(f"ids must be a 1-dim integer tensor, got {type_name(ids)}")
+    integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+    if ids.dim() != 1 or not integer:
+        raise ValueError(
+            f"ids must be a 1-dim integer tensor, got shape {tuple(ids.shape)} of {ids.dtype}"
+        )
+    context = require_int("context", context, minimum=1)
+    batch_size = require_int("batch_size", batch_size, minimum=1)
+    seed = require_int("seed", seed, minimum=0)
+    if len(ids) <= context:
+        raise ValueError(
+            f"ids must hold more than context={context} ids (a window is context + 1), "
+            f"got {len(ids)}"
+        )
+    return _windows(ids, context, batch_size, seed)
+
+
+def _windows(
+    ids: torch.Tensor, context: int, batch_size: int, seed: int
+) -> Iterator[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(context + 1, device=ids.device)
+    while True:
+        starts = torch.randint(0, len(ids) - context, (batch_size,), generator=gen)
+        yield ids[starts.to(ids.device)[:, None] + offsets]  # (B, context + 1)
