@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_pretrained import NEVER, VOCAB, _save
 
+import utils.decoding as decoding
+import utils.decoding_plan as decoding_plan
 from utils.checkpoint_models import RotarySelfAttention
 from utils.decoding import generate
 from utils.decoding_plan import plan_for
@@ -82,8 +84,6 @@ FAMILIES = {
     ),
     "gemma/heads-of-16": ("Gemma", dict(head_dim=16, num_key_value_heads=1), load_gemma),
 }
-# The families whose every module the fast decoding path (`utils.decoding_plan`) knows.
-PLANNED = {"mistral/no-window", "qwen2/biases"}
 
 
 def _make(prefix, overrides):
@@ -212,7 +212,9 @@ def _planned(model):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_generation_equals_transformers_on_a_ragged_batch(made, name):
     """Ragged prompts share one batch in `generate`: a shorter row's new tokens sit in the
-    cache after slots of padding, so a window must count positions, not slots."""
+    cache after slots of padding, so a window must count positions, not slots; with the cache
+    the steps after the prompts run through the fast path (`utils.decoding_plan`), which must
+    apply the window, the q/k norms and Gemma's pieces too."""
     folder, hf = made[name]
     ours = _load(name, folder)
     prompts = _rows([12, 7, 5], seed=4)
@@ -220,12 +222,13 @@ def test_greedy_generation_equals_transformers_on_a_ragged_batch(made, name):
     assert generate(ours, prompts, 8, eos=NEVER) == expected
     assert generate(ours, prompts, 8, eos=NEVER, use_cache=False) == expected
     assert generate(ours, prompts[1:2], 8, eos=NEVER) == expected[1:2]
-    assert _planned(ours) == (name in PLANNED)  # a window or a new piece: the checked path
+    assert _planned(ours)  # the steps after the prompts ran through utils.decoding_plan
 
 
-def test_a_window_counted_in_slots_would_fail_the_ragged_batch(made, monkeypatch):
-    """Control: the window by cache slots (right only without a gap of padding) gives other
-    tokens for the short rows of a ragged batch, and the test above would see it."""
+def test_a_window_by_slots_or_none_would_fail_the_ragged_batch(made, monkeypatch):
+    """Controls: counted in cache slots (right only without a gap of padding), the window of
+    the checked path gives other tokens for the short rows of a ragged batch; the fast path
+    without the window gives other tokens too. The test above would see either."""
     folder, hf = made["mistral/window"]
     ours = _load("mistral/window", folder)
     prompts = _rows([12, 7, 5], seed=4)
@@ -234,9 +237,20 @@ def test_a_window_counted_in_slots_would_fail_the_ragged_batch(made, monkeypatch
     def slots(self, l_k, length, cache, positions):
         return torch.arange(l_k)[None]
 
-    monkeypatch.setattr(FamilyAttention, "key_positions", slots)
-    got = generate(ours, prompts, 8, eos=NEVER)
+    with monkeypatch.context() as m:
+        m.setattr(FamilyAttention, "key_positions", slots)
+        m.setattr(decoding, "plan_for", lambda *a: None)  # the checked path, through the cache
+        got = generate(ours, prompts, 8, eos=NEVER)
     assert got[0] == expected[0] and got[1:] != expected[1:]
+    init = decoding_plan._Layer.__init__
+
+    def windowless(self, *args):
+        init(self, *args)
+        self.window = None
+
+    with monkeypatch.context() as m:
+        m.setattr(decoding_plan._Layer, "__init__", windowless)
+        assert generate(ours, prompts, 8, eos=NEVER) != expected
 
 
 def _moved(hf, ours, tokens):
