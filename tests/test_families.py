@@ -16,6 +16,7 @@ sequences (4 positions, prompts of up to 12 and 8 more tokens), or the tests cou
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -436,3 +437,24 @@ def test_the_window_is_chapter_4s_local_mask_and_needs_the_keys_positions():
         step = windowed(x[:, 4:5], None, cache=ours_cache, positions=torch.tensor([4]))
         torch.testing.assert_close(step, got[:, 4:5])
         assert ours_cache.positions.tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_gemmas_pieces_round_as_the_reference_in_bfloat16(made):
+    """In bfloat16 the embedding's factor sqrt(d) is rounded to the dtype before the product
+    (sqrt(32) = 5.657 becomes 5.656), and the (1 + w) norm rounds only at the end: the very
+    bits of the reference's modules, where the other orders differ."""
+    folder, hf = made["gemma/heads-of-16"]
+    ours = load_gemma(folder, dtype=torch.bfloat16)
+    ref = copy.deepcopy(hf).to(torch.bfloat16)
+    tokens = torch.tensor(_rows([12], seed=8))
+    with torch.no_grad():
+        got = ours.embed(tokens, torch.arange(12))
+        assert torch.equal(got, ref.model.embed_tokens(tokens))
+        unrounded = (ours.embed.weight[tokens].float() * 32**0.5).to(torch.bfloat16)
+        assert not torch.equal(got, unrounded)
+        x = torch.randn(3, 7, 32).to(torch.bfloat16)
+        norm = ours.blocks[0].norm1
+        assert torch.equal(norm(x), ref.model.layers[0].input_layernorm(x))
+        h = x.float()
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(torch.bfloat16)
+        assert not torch.equal(norm(x), y * (1 + norm.weight))  # Llama's order: rounded first
