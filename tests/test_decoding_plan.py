@@ -4,6 +4,7 @@ on every model family the library builds or loads, and the checks kept at the AP
 from __future__ import annotations
 
 import pytest
+import test_families
 import test_pretrained
 import torch
 from test_pretrained import GPT2_CONFIGS, LLAMA_CONFIGS, NEVER, VOCAB, checkpoints  # noqa: F401
@@ -71,6 +72,22 @@ def test_loaded_checkpoints_decode_the_same_tokens(checkpoints, name, monkeypatc
     for seed in range(2):
         planned_rows, checked_rows, _ = _both(model, PROMPTS, 25, monkeypatch, seed=seed, **kw)
         assert planned_rows == checked_rows
+
+
+@pytest.mark.parametrize("name", list(test_families.FAMILIES))
+def test_loaded_families_decode_the_same_tokens(name, tmp_path, monkeypatch):
+    """Mistral, Qwen2, Qwen3 and Gemma (`utils.families`): the plan runs their windows (by
+    position: PROMPTS is ragged), q/k norms and Gemma's pieces, to the checked path's tokens."""
+    prefix, overrides, load = test_families.FAMILIES[name]
+    torch.manual_seed(0)
+    test_pretrained._save(test_families._make(prefix, overrides), tmp_path)
+    model = load(tmp_path)
+    planned, checked, steps = _both(model, PROMPTS, 25, monkeypatch, eos=NEVER)
+    assert steps == 24
+    assert planned == checked
+    kw = {"temperature": 1.5, "eos": planned[0][3]}  # sampling, a row finished early
+    planned_rows, checked_rows, _ = _both(model, PROMPTS, 25, monkeypatch, seed=0, **kw)
+    assert planned_rows == checked_rows
 
 
 def test_gpt2_keeps_its_fused_projection_without_a_copy(checkpoints):  # noqa: F811
