@@ -47,6 +47,8 @@ LEVELS = {
     "utils.checkpoint_models": 3, "utils.pretrained": 3,  # GPT-2 and Llama checkpoints
     "utils.checkpoint_io": 3,  # reading them onto any device, built on meta
     "utils.checkpoint_fields": 3,  # their config.json checked against their tensors
+    "utils.family_parts": 3,  # the pieces Mistral, Qwen2, Qwen3, Gemma add to Llama's
+    "utils.families": 3,  # their loaders, load_checkpoint, FAMILY_CHANGES (issue 47)
     "utils.distributed": 3,  # ranks, tensor and sequence parallelism (chapter 16)
     "utils.sampling": 1,  # temperature, top-k, top-p, min-p, repetition penalty (chapter 18)
     "utils.beam_search": 3, "utils.checkpoint_write": 3,  # beam search; save_gpt2 (chapter 18)

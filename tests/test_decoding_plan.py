@@ -4,6 +4,7 @@ on every model family the library builds or loads, and the checks kept at the AP
 from __future__ import annotations
 
 import pytest
+import test_families
 import test_pretrained
 import torch
 from test_pretrained import GPT2_CONFIGS, LLAMA_CONFIGS, NEVER, VOCAB, checkpoints  # noqa: F401
@@ -71,6 +72,20 @@ def test_loaded_checkpoints_decode_the_same_tokens(checkpoints, name, monkeypatc
     for seed in range(2):
         planned_rows, checked_rows, _ = _both(model, PROMPTS, 25, monkeypatch, seed=seed, **kw)
         assert planned_rows == checked_rows
+
+
+@pytest.mark.parametrize("name", sorted(test_families.PLANNED))
+def test_loaded_families_decode_the_same_tokens(name, tmp_path, monkeypatch):
+    """Mistral without a window and Qwen2 (biases on W_Q, W_K, W_V, none on W_O) are made of
+    the modules the plan knows: it runs them, to the checked path's tokens. (A window, q/k
+    norms or Gemma's pieces are new classes: the checked path runs them, tests/test_families.)"""
+    prefix, overrides, load = test_families.FAMILIES[name]
+    torch.manual_seed(0)
+    test_pretrained._save(test_families._make(prefix, overrides), tmp_path)
+    model = load(tmp_path)
+    planned, checked, steps = _both(model, PROMPTS, 25, monkeypatch, eos=NEVER)
+    assert steps == 24
+    assert planned == checked
 
 
 def test_gpt2_keeps_its_fused_projection_without_a_copy(checkpoints):  # noqa: F811

@@ -53,6 +53,8 @@ LLAMA_CONFIGS = {
         attention_bias=True,
         mlp_bias=True,
     ),
+    # heads of 16 features on d = 32: W_Q is (64, 32), W_O (32, 64), as the reference reads it
+    "d32-h4-heads-of-16": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 
 
@@ -371,7 +373,12 @@ CONFIG_ERRORS = [
         r"rope_scaling\['factor'\] must be a positive number, got -2\.0",
     ),
     ("llama/grouped-query", _set("hidden_act", "gelu"), r"hidden_act='gelu'"),
-    ("llama/grouped-query", _set("head_dim", 16), r"head_dim=16"),
+    (
+        "llama/grouped-query",
+        _set("head_dim", 16),
+        r"num_attention_heads=4 and heads of 16 = head_dim, so 64 rows in "
+        r"model\.layers\.0\.self_attn\.q_proj\.weight, but it has 32",
+    ),
     ("llama/grouped-query", _set("num_key_value_heads", 3), r"num_key_value_heads=3"),
 ]
 

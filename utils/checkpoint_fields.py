@@ -8,9 +8,16 @@ names the field and what the tensors hold instead:
 
 * GPT-2: ``vocab_size`` and ``n_embd`` (the token table), ``n_positions`` (the position
   table), ``n_inner`` (the first feed-forward matrix), ``n_layer`` (the layers stored);
-* Llama: ``vocab_size`` and ``hidden_size`` (the token table), ``num_attention_heads``
-  (with ``hidden_size``, the head width, hence the rows of W_K: ``num_key_value_heads`` times
-  it), ``num_key_value_heads``, ``intermediate_size`` (the gate), ``num_hidden_layers``.
+* Llama and the families of `utils.families` (Mistral, Qwen2, Qwen3, Gemma): ``vocab_size`` and
+  ``hidden_size`` (the token table), ``num_attention_heads`` and ``head_dim`` (the rows of
+  W_Q: their product; ``head_dim`` defaults to hidden_size / num_attention_heads), then
+  ``num_key_value_heads`` (the rows of W_K: it times the head width), ``head_dim`` again where
+  Qwen3's norms on queries and keys hold one gain per head feature, ``intermediate_size``
+  (the gate), ``num_hidden_layers``.
+
+It also reads the config itself (`field`, `int_field`, `require_value`, `require_model_type`):
+a missing field, a field of the wrong kind or an option the loader does not implement raises
+a ValueError naming it.
 
 What no tensor records cannot be checked: how d_model splits into heads when there are as many
 key/value heads as query heads (W_Q, W_K, W_V are (d, d) for any split; GPT-2's ``n_head`` is
@@ -21,7 +28,49 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["check_gpt2_fields", "check_llama_fields"]
+__all__ = [
+    "check_gpt2_fields",
+    "check_llama_fields",
+    "field",
+    "int_field",
+    "require_value",
+    "require_model_type",
+]
+
+
+def field(config: dict, name: str, default: object = None, required: bool = False) -> object:
+    """config[name]; a missing required field is a ValueError naming it."""
+    if name not in config or config[name] is None:
+        if required:
+            raise ValueError(f"config.json has no {name!r}, which the model needs")
+        return default
+    return config[name]
+
+
+def int_field(config: dict, name: str, default: int | None = None) -> int:
+    """config[name], a positive int (``default`` when missing; required when that is None)."""
+    value = field(config, name, default, required=default is None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+    return value
+
+
+def require_value(config: dict, name: str, allowed: tuple, default: object) -> object:
+    """A config option the model implements only for the values ``allowed``."""
+    value = field(config, name, default)
+    if value not in allowed:
+        raise ValueError(
+            f"unsupported config: {name}={value!r}; this loader implements "
+            f"{name} in {list(allowed)}"
+        )
+    return value
+
+
+def require_model_type(config: dict, expected: str) -> None:
+    """config.json's model_type must be ``expected``."""
+    found = config.get("model_type")
+    if found != expected:
+        raise ValueError(f"config.json has model_type={found!r}; expected {expected!r}")
 
 
 def _dim(shapes: dict, key: str, axis: int) -> int | None:
@@ -67,23 +116,35 @@ def check_gpt2_fields(shapes: dict[str, tuple[int, ...]], s: dict, where: str) -
 
 
 def check_llama_fields(shapes: dict[str, tuple[int, ...]], s: dict, where: str) -> None:
-    """Each Llama config field against the tensor dims it fixes; a ValueError names the field,
-    and for the heads, what the tensors hold instead."""
+    """Each config field of Llama (or of a family of `utils.families`, whose tensors are named
+    alike) against the tensor dims it fixes; a ValueError names the field, and for the heads,
+    what the tensors hold instead. ``s["head_dim"]`` is the head width the config gives
+    (``s["head_dim_given"]``: written in config.json, else hidden_size / num_attention_heads)."""
     table = "model.embed_tokens.weight"
     _require(where, "vocab_size", s["vocab_size"], _dim(shapes, table, 0), f"rows in {table}")
     _require(where, "hidden_size", s["hidden_size"], _dim(shapes, table, 1), f"columns in {table}")
-    d, h, kv = s["hidden_size"], s["num_attention_heads"], s["kv_heads"]
-    head = d // h
-    k_rows = _dim(shapes, "model.layers.0.self_attn.k_proj.weight", 0)
+    h, kv, head = s["num_attention_heads"], s["kv_heads"], s["head_dim"]
+    why = "head_dim" if s.get("head_dim_given") else "hidden_size / num_attention_heads"
+    attn = "model.layers.0.self_attn"
+    q_rows = _dim(shapes, f"{attn}.q_proj.weight", 0)
+    if q_rows is not None and q_rows != h * head:
+        raise ValueError(
+            f"{where}: config.json has num_attention_heads={h} and heads of {head} = {why}, so "
+            f"{h * head} rows in {attn}.q_proj.weight, but it has {q_rows}"
+        )
+    k_rows = _dim(shapes, f"{attn}.k_proj.weight", 0)
     # A W_K of a whole number of heads of this width: the head fields are wrong (else the
     # tensor is, and the shape check names it).
     if k_rows is not None and k_rows != kv * head and k_rows % head == 0:
         raise ValueError(
             f"{where}: config.json has num_attention_heads={h} and num_key_value_heads={kv}, "
-            f"so heads of {head} = hidden_size / num_attention_heads and {kv * head} rows in "
-            f"model.layers.0.self_attn.k_proj.weight, but it has {k_rows}: {k_rows // head} "
+            f"so heads of {head} = {why} and {kv * head} rows in "
+            f"{attn}.k_proj.weight, but it has {k_rows}: {k_rows // head} "
             f"key/value heads of {head}, or heads of another width"
         )
+    for norm in ("q_norm", "k_norm"):  # Qwen3: one gain per feature of a head
+        key = f"{attn}.{norm}.weight"
+        _require(where, "head_dim", head, _dim(shapes, key, 0), f"entries in {key}")
     gate = "model.layers.0.mlp.gate_proj.weight"
     _require(
         where, "intermediate_size", s["intermediate_size"], _dim(shapes, gate, 0), f"rows in {gate}"

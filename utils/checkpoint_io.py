@@ -16,6 +16,7 @@ Pieces:
   read only when asked (`StoredTensors.get`), or given as an empty meta tensor;
 * `Slots`: for every stored key the shape the model expects and a writer that assigns the
   model's parameter(s) from the stored tensor (`param_writer`, `set_param`);
+* `linear_slots`, `norm_slots`: the slots of an `nn.Linear` and of a norm;
 * `fill`: checks keys and shapes, runs every writer, re-ties tied weights, computes the
   non-persistent buffers on the device (`materialize_buffers`) and proves nothing is left on
   ``meta``.
@@ -39,6 +40,9 @@ __all__ = [
     "Slots",
     "set_param",
     "param_writer",
+    "rows_first",
+    "linear_slots",
+    "norm_slots",
     "check_keys",
     "fill",
     "materialize_buffers",
@@ -253,6 +257,39 @@ def param_writer(
         set_param(module, name, stored if transform is None else transform(stored), device, dtype)
 
     return write
+
+
+def rows_first(module: nn.Module, name: str, transposed: bool) -> Callable:
+    """A writer of ``module.<name>`` (d_out, d_in) whose numbers lie as (d_in, d_out) rows
+    (`set_param_transposed`, as `utils.pretrained` loads GPT-2); ``transposed``: the stored
+    tensor is (d_in, d_out) already, else it is (d_out, d_in) and is laid out anew once."""
+
+    def write(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        set_param_transposed(module, name, stored if transposed else stored.T, device, dtype)
+
+    return write
+
+
+def linear_slots(prefix: str, linear: nn.Linear, conv1d: bool = False) -> Slots:
+    """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out), and
+    kept so (`set_param_transposed`: the weight is a (d_out, d_in) view of those numbers)."""
+    out_f, in_f = linear.weight.shape
+    slots: Slots = {}
+    if conv1d:
+        slots[f"{prefix}.weight"] = ((in_f, out_f), rows_first(linear, "weight", True))
+    else:
+        slots[f"{prefix}.weight"] = ((out_f, in_f), param_writer(linear, "weight"))
+    if linear.bias is not None:
+        slots[f"{prefix}.bias"] = ((out_f,), param_writer(linear, "bias"))
+    return slots
+
+
+def norm_slots(prefix: str, norm: nn.Module) -> Slots:
+    """The gain (and bias, if any) of a `LayerNorm` or `RMSNorm` (``norm.d_model`` wide)."""
+    slots: Slots = {f"{prefix}.weight": ((norm.d_model,), param_writer(norm, "weight"))}
+    if getattr(norm, "bias", None) is not None:
+        slots[f"{prefix}.bias"] = ((norm.d_model,), param_writer(norm, "bias"))
+    return slots
 
 
 def check_keys(shapes: dict[str, tuple[int, ...]], slots: Slots, where: str) -> None:

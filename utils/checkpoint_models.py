@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._validation import (
+    require_bool,
     require_choice,
+    require_int,
     require_like_module,
     require_rank,
     require_real,
@@ -75,31 +77,38 @@ def _require_sequence(name: str, x: object, module: nn.Module) -> torch.Tensor:
 
 
 class GELUFeedForward(PositionwiseFeedForward):
-    """FFN(x) = GELU(x W_1 + b_1) W_2 + b_2 with a chosen form of GELU.
+    """FFN(x) = GELU(x W_1 + b_1) W_2 + b_2 with a chosen form of GELU, gated or not.
 
     GELU(z) = z Phi(z), Phi the standard normal CDF. GPT-2 computes it with the approximation
     0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))) (``approximate="tanh"``); the parent class
     uses the exact erf form, which differs by up to about 1e-3, too much to reproduce GPT-2's
-    logits to 1e-4. ``approximate="none"`` is the exact form.
+    logits to 1e-4. ``approximate="none"`` is the exact form. Gated (chapter 6's GeGLU, as
+    Gemma computes it with the tanh form), the hidden layer is GELU(x W_gate + b_gate) *
+    (x W_1 + b_1).
 
     Args:
         d_model, d_ff, bias: as in `PositionwiseFeedForward`.
         approximate: "tanh" or "none", as ``torch.nn.functional.gelu`` takes it.
+        gated: GeGLU (a third projection, ``gate``) instead of GELU.
 
     Shapes:
         (..., d_model) -> (..., d_model).
     """
 
-    def __init__(self, d_model: int, d_ff: int, approximate: str = "tanh", bias: bool = True):
-        super().__init__(d_model, d_ff, activation="gelu", bias=bias)
+    def __init__(self, d_model: int, d_ff: int, approximate: str = "tanh", bias: bool = True,
+                 gated: bool = False):
+        activation = "geglu" if require_bool("gated", gated) else "gelu"
+        super().__init__(d_model, d_ff, activation=activation, bias=bias)
         self.approximate = require_choice("approximate", approximate, GELU_APPROXIMATIONS)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """GELU(x W_1 + b_1), (..., d_ff)."""
+        """GELU(x W_1 + b_1), or GELU(x W_gate + b_gate) * (x W_1 + b_1) gated: (..., d_ff)."""
         require_tensor("x", x)
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (..., d_model={self.d_model}), got {shape_str(x)}")
         require_like_module("x", x, self)
+        if self.gated:
+            return F.gelu(self.gate(x), approximate=self.approximate) * self.linear1(x)
         return F.gelu(self.linear1(x), approximate=self.approximate)
 
     def extra_repr(self) -> str:
@@ -117,6 +126,12 @@ class RotarySelfAttention(GroupedQueryAttention):
 
     Args:
         d_model, num_heads, num_kv_heads, bias: as in `GroupedQueryAttention`.
+        head_dim: the width d_k of each head; None: d_model / num_heads, as in
+            `GroupedQueryAttention`. Another width (a checkpoint's ``head_dim``) makes W_Q
+            d_model -> num_heads * head_dim, W_K and W_V d_model -> num_kv_heads * head_dim and
+            W_O num_heads * head_dim -> d_model; num_heads need not divide d_model then.
+        out_bias: whether W_O has a bias; None: ``bias`` (Qwen2 has biases on W_Q, W_K, W_V
+            only).
         base: RoPE's wavelength scale (Llama's ``rope_theta``), a finite number > 0.
         layout: "half" (pairs (x_k, x_{k + d/2}), the Hugging Face Llama layout) or
             "interleaved" (pairs (x_2k, x_2k+1)); see `utils.positional.permute_rope_weight`.
@@ -140,11 +155,17 @@ class RotarySelfAttention(GroupedQueryAttention):
         layout: str = "half",
         bias: bool = False,
         scaling: dict | None = None,
+        head_dim: int | None = None,
+        out_bias: bool | None = None,
     ):
-        super().__init__(d_model, num_heads, num_kv_heads, bias=bias)
+        inner = d_model  # h * d_k, the width of the heads side by side
+        if head_dim is not None:
+            inner = require_int("num_heads", num_heads) * require_int("head_dim", head_dim)
+        super().__init__(inner, num_heads, num_kv_heads, bias=bias)
         self.base = require_real("base", base, low=0.0, low_open=True)
         self.layout = require_choice("layout", layout, ("half", "interleaved"))
         self.scaling = None if scaling is None else dict(scaling)
+        _reshape_projections(self, d_model, bias, bias if out_bias is None else out_bias)
 
     def frequencies(self, length: int | None = None) -> torch.Tensor:
         """The (d_k / 2,) float64 frequencies w_k (`utils.rope_scaling.rope_frequencies`) for a
@@ -172,12 +193,10 @@ class RotarySelfAttention(GroupedQueryAttention):
         """(B, L, d_model) -> (B, L, d_model); see the class docstring for the arguments."""
         _require_sequence("x", x, self)
         b, length, _ = x.shape
-        q = self.rotate(self._split(self.w_q(x), self.num_heads), positions)
-        k = self.rotate(self._split(self.w_k(x), self.num_kv_heads), positions)
-        v = self._split(self.w_v(x), self.num_kv_heads)
+        q, k, v = self.project(x, positions)
         if cache is not None:
             k, v = cache.append(k, v)
-        mask = expand_mask(mask, b, length, k.shape[2])
+        mask = self.key_mask(mask, b, length, k.shape[2], cache, positions)
         k, v = self._expand_kv(k, v)
         if self.keep_weights:
             out, weights = scaled_dot_product_attention(q, k, v, mask)
@@ -187,8 +206,49 @@ class RotarySelfAttention(GroupedQueryAttention):
             self.attn_weights = None
         return self.w_o(self._merge(out))
 
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, h, L, d_k), k and v (B, h_kv, L, d_k) of x (B, L, d_model), q and k rotated
+        at ``positions``."""
+        q = self.rotate(self._split(self.w_q(x), self.num_heads), positions)
+        k = self.rotate(self._split(self.w_k(x), self.num_kv_heads), positions)
+        return q, k, self._split(self.w_v(x), self.num_kv_heads)
+
+    def key_mask(self, mask: torch.Tensor | None, b: int, length: int, l_k: int,
+                 cache: KVCache | None, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask (B, 1 or h, L, L_k) the queries attend with: ``mask`` read by
+        `utils.masks.expand_mask` (a subclass may narrow it: a sliding window)."""
+        return expand_mask(mask, b, length, l_k)
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h, L, d_k) -> (B, L, h * d_k), the input of W_O (h * d_k may differ from
+        d_model when ``head_dim`` was given)."""
+        b, _, length, _ = x.shape
+        return x.transpose(1, 2).reshape(b, length, self.num_heads * self.d_k)
+
     def extra_repr(self) -> str:
-        return f"base={self.base}, layout={self.layout!r}"
+        wide = self.num_heads * self.d_k != self.d_model  # a head_dim of its own
+        extra = f", head_dim={self.d_k}" if wide else ""
+        return f"base={self.base}, layout={self.layout!r}{extra}"
+
+
+def _reshape_projections(
+    attn: RotarySelfAttention, d_model: int, bias: bool, out_bias: bool
+) -> None:
+    """Give ``attn`` (built for a width h * d_k) projections between d_model and h * d_k when
+    the two differ (a ``head_dim`` of its own), and W_O a bias only when ``out_bias``."""
+    inner = attn.num_heads * attn.d_k
+    require_bool("out_bias", out_bias)
+    if inner != d_model:  # the projections between d_model and h * d_k, made anew
+        attn.d_model = require_int("d_model", d_model)
+        kv_width = attn.num_kv_heads * attn.d_k
+        attn.w_q = nn.Linear(d_model, inner, bias=bias)
+        attn.w_k = nn.Linear(d_model, kv_width, bias=bias)
+        attn.w_v = nn.Linear(d_model, kv_width, bias=bias)
+        attn.w_o = nn.Linear(inner, d_model, bias=out_bias)
+    elif out_bias != bias:
+        attn.w_o = nn.Linear(inner, d_model, bias=out_bias)
 
 
 class PreNormBlock(nn.Module):
@@ -269,7 +329,8 @@ class CheckpointLM(nn.Module):
         norm: the final norm.
         tie_output: the output projection reuses the token table (GPT-2, and Llama when its
             config says so) or has its own (V, d_model) weight; never a bias.
-        family: "gpt2" or "llama", for the repr and the reader.
+        family: the checkpoint's ``model_type`` ("gpt2", "llama", "mistral", "qwen2", "qwen3",
+            "gemma"), for the repr and the reader.
 
     Attributes:
         vocab_size, max_len, d_model, num_layers: read by `utils.decoding`, and by the reader

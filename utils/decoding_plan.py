@@ -10,7 +10,11 @@ loop's step without them: the same operations on the same parameters as the modu
 
 * `utils.models.DecoderOnlyLM` (its `utils.transformer.EncoderLayer` stack, pre- or post-LN);
 * `utils.checkpoint_models.CheckpointLM` as `utils.pretrained` fills it: GPT-2 (LayerNorm,
-  learned positions, GELU) and Llama (RMSNorm, RoPE, grouped keys and values, SwiGLU).
+  learned positions, GELU) and Llama (RMSNorm, RoPE, grouped keys and values, SwiGLU, heads of
+  any ``head_dim``), and the families of `utils.families` made of the same modules (Mistral
+  without a sliding window, Qwen2 without one). A window, Qwen3's q/k norms and Gemma's pieces
+  are classes of `utils.family_parts` that the plan does not know: those models decode through
+  their checked modules.
 
 It also keeps the query, key and value projections of a layer as one product, where the three
 weights lie side by side in memory as GPT-2's checkpoint stores them (`utils.pretrained` loads
@@ -30,6 +34,7 @@ Shapes: a step takes (B, 1) token ids and positions and an optional (B, L_k) boo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -120,10 +125,9 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def _ffn(ff: PositionwiseFeedForward) -> Callable[[torch.Tensor], torch.Tensor]:
     """The feed-forward network's computation (dropout is the identity in evaluation mode)."""
     w1, b1, w2, b2 = ff.linear1.weight, ff.linear1.bias, ff.linear2.weight, ff.linear2.bias
-    if type(ff) is GELUFeedForward:
-        approximate = ff.approximate
-        return lambda x: F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
     act = (GATED_ACTIVATIONS if ff.gated else ACTIVATIONS)[ff.activation]
+    if type(ff) is GELUFeedForward:  # GELU's chosen form, gated (GeGLU) or not
+        act = functools.partial(F.gelu, approximate=ff.approximate)
     if ff.gated:
         wg, bg = ff.gate.weight, ff.gate.bias
         return lambda x: F.linear(act(F.linear(x, wg, bg)) * F.linear(x, w1, b1), w2, b2)

@@ -45,6 +45,8 @@ class KVCache:
             raises a `ValueError`.
         static: a cache of keys and values computed once and then only read: the encoder's
             memory seen by cross-attention. The first call fills it, later calls reuse it.
+        positions: (B or 1, L_past) the position of every stored key, kept only by an attention
+            that needs them (a sliding window, `utils.family_parts.FamilyAttention`); else None.
 
     The tensors live where the first appended keys live (the inputs' device and dtype).
 
@@ -58,6 +60,7 @@ class KVCache:
     v: torch.Tensor | None = None
     max_len: int | None = None
     static: bool = False
+    positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _room: int = field(default=0, init=False, repr=False, compare=False)
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False,
                                                                repr=False, compare=False)

@@ -27,6 +27,9 @@ What has to be translated:
   rows of W_Q and W_K with `utils.positional.permute_rope_weight` and rotates interleaved pairs,
   which gives the same scores (chapter 5).
 
+The families built on Llama's pieces (Mistral, Qwen2, Qwen3, Gemma) load through the same
+path, `load_rotary`, with the pieces they change (`utils.families`).
+
 Nothing here touches the network: the directory must already be on disk.
 """
 
@@ -42,14 +45,20 @@ from torch import nn
 from ._validation import require_choice, require_device, require_dtype
 from .attention import MultiHeadAttention
 from .checkpoint_fields import check_gpt2_fields, check_llama_fields
+from .checkpoint_fields import field as _field
+from .checkpoint_fields import int_field as _int_field
+from .checkpoint_fields import require_model_type as _require_model_type
+from .checkpoint_fields import require_value as _require_value
 from .checkpoint_io import (
     Slots,
     StoredTensors,
     fill,
     param_writer,
     read_checkpoint,
-    set_param_transposed,
 )
+from .checkpoint_io import linear_slots as _linear_slots
+from .checkpoint_io import norm_slots as _norm_slots
+from .checkpoint_io import rows_first as _rows_first
 from .checkpoint_models import (
     CheckpointLM,
     GELUFeedForward,
@@ -61,75 +70,17 @@ from .layers import LayerNorm, PositionwiseFeedForward, RMSNorm
 from .positional import permute_rope_weight
 from .rope_scaling import rope_config, rope_frequencies
 
-__all__ = ["read_checkpoint", "load_gpt2", "load_llama", "GPT2_ACTIVATIONS"]
+__all__ = [
+    "read_checkpoint",
+    "load_gpt2",
+    "load_llama",
+    "load_rotary",
+    "LLAMA_PARTS",
+    "GPT2_ACTIVATIONS",
+]
 
 # GPT-2's activation_function -> the approximate= of torch's GELU.
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-
-def _field(config: dict, name: str, default: object = None, required: bool = False) -> object:
-    """config[name]; a missing required field is a ValueError naming it."""
-    if name not in config or config[name] is None:
-        if required:
-            raise ValueError(f"config.json has no {name!r}, which the model needs")
-        return default
-    return config[name]
-
-
-def _int_field(config: dict, name: str, default: int | None = None) -> int:
-    value = _field(config, name, default, required=default is None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
-    return value
-
-
-def _require_value(config: dict, name: str, allowed: tuple, default: object) -> object:
-    """A config option the model implements only for the values ``allowed``."""
-    value = _field(config, name, default)
-    if value not in allowed:
-        raise ValueError(
-            f"unsupported config: {name}={value!r}; this loader implements "
-            f"{name} in {list(allowed)}"
-        )
-    return value
-
-
-def _require_model_type(config: dict, expected: str) -> None:
-    found = config.get("model_type")
-    if found != expected:
-        raise ValueError(f"config.json has model_type={found!r}; expected {expected!r}")
-
-
-def _rows_first(module: nn.Module, name: str, transposed: bool) -> Callable:
-    """A writer of ``module.<name>`` (d_out, d_in) whose numbers lie as (d_in, d_out) rows
-    (`set_param_transposed`); ``transposed``: the stored tensor is (d_in, d_out) already, else
-    it is (d_out, d_in) and is laid out anew once, at loading."""
-
-    def write(stored: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-        set_param_transposed(module, name, stored if transposed else stored.T, device, dtype)
-
-    return write
-
-
-def _linear_slots(prefix: str, linear: nn.Linear, conv1d: bool = False) -> Slots:
-    """The weight (and bias) of ``linear``; ``conv1d``: stored transposed, (d_in, d_out), and
-    kept so (`set_param_transposed`: the weight is a (d_out, d_in) view of those numbers)."""
-    out_f, in_f = linear.weight.shape
-    slots: Slots = {}
-    if conv1d:
-        slots[f"{prefix}.weight"] = ((in_f, out_f), _rows_first(linear, "weight", True))
-    else:
-        slots[f"{prefix}.weight"] = ((out_f, in_f), param_writer(linear, "weight"))
-    if linear.bias is not None:
-        slots[f"{prefix}.bias"] = ((out_f,), param_writer(linear, "bias"))
-    return slots
-
-
-def _norm_slots(prefix: str, norm: LayerNorm | RMSNorm) -> Slots:
-    slots: Slots = {f"{prefix}.weight": ((norm.d_model,), param_writer(norm, "weight"))}
-    if getattr(norm, "bias", None) is not None:
-        slots[f"{prefix}.bias"] = ((norm.d_model,), param_writer(norm, "bias"))
-    return slots
 
 
 # ----------------------------------------------------------------------------------- GPT-2
@@ -294,9 +245,11 @@ def load_gpt2(
 # ----------------------------------------------------------------------------------- Llama
 
 
-def _llama_settings(config: dict) -> dict:
-    """The hyperparameters of a Llama config.json, each checked; unsupported options raise."""
-    _require_model_type(config, "llama")
+def _rotary_settings(config: dict, model_type: str) -> dict:
+    """What every RoPE family (Llama, and those of `utils.families`) reads from config.json,
+    each checked: sizes, key/value heads, the head width (``head_dim``, else hidden_size /
+    num_attention_heads), RoPE, RMSNorm's epsilon, whether the output projection is tied."""
+    _require_model_type(config, model_type)
     s = {
         name: _int_field(config, name)
         for name in (
@@ -309,25 +262,32 @@ def _llama_settings(config: dict) -> dict:
         )
     }
     d, h = s["hidden_size"], s["num_attention_heads"]
-    s["kv_heads"] = _int_field(config, "num_key_value_heads", h)
-    if d % h or h % s["kv_heads"]:
+    s["family"], s["kv_heads"] = model_type, _int_field(config, "num_key_value_heads", h)
+    s["head_dim_given"] = _field(config, "head_dim") is not None
+    if not s["head_dim_given"] and d % h:
         raise ValueError(
-            f"config: hidden_size={d}, num_attention_heads={h} and "
-            f"num_key_value_heads={s['kv_heads']} do not split into heads"
+            f"config: hidden_size={d} is not divisible by num_attention_heads={h}, and no "
+            "head_dim says how wide a head is"
         )
-    head_dim = _int_field(config, "head_dim", d // h)
-    if head_dim != d // h:
+    s["head_dim"] = _int_field(config, "head_dim", d // h)
+    if h % s["kv_heads"]:
         raise ValueError(
-            f"unsupported config: head_dim={head_dim}; the book's attention has "
-            f"head_dim = hidden_size / num_attention_heads = {d // h}"
+            f"config: num_attention_heads={h} and num_key_value_heads={s['kv_heads']} do not "
+            "split into groups: each key/value head serves the same number of query heads"
         )
+    s["eps"] = float(_field(config, "rms_norm_eps", 1e-6))
+    s["theta"], s["scaling"] = rope_config(config, s["max_position_embeddings"])
+    s["tied"] = bool(_field(config, "tie_word_embeddings", False))
+    return s
+
+
+def _llama_settings(config: dict) -> dict:
+    """The hyperparameters of a Llama config.json, each checked; unsupported options raise."""
+    s = _rotary_settings(config, "llama")
     _require_value(config, "hidden_act", ("silu",), "silu")
     _require_value(config, "pretraining_tp", (1,), 1)
     s["attention_bias"] = bool(_require_value(config, "attention_bias", (False, True), False))
     s["mlp_bias"] = bool(_require_value(config, "mlp_bias", (False, True), False))
-    s["eps"] = float(_field(config, "rms_norm_eps", 1e-6))
-    s["theta"], s["scaling"] = rope_config(config, s["max_position_embeddings"])
-    s["tied"] = bool(_field(config, "tie_word_embeddings", False))
     return s
 
 
@@ -339,7 +299,7 @@ def _drop_inv_freq(stored: StoredTensors, s: dict, where: str) -> None:
     """Drop stored ``rotary_emb.inv_freq`` buffers: the model computes its frequencies from the
     config. Each is first compared with them (on ``meta``, its shape only), so that a file whose
     frequencies are not the config's is refused, not silently read with others."""
-    half = s["hidden_size"] // s["num_attention_heads"] // 2
+    half = s["head_dim"] // 2
     for key in [k for k in stored.shapes if _INV_FREQ.fullmatch(k)]:
         if stored.shapes[key] != (half,):
             raise ValueError(f"{where}: {key} has shape {stored.shapes[key]}, expected ({half},)")
@@ -355,36 +315,67 @@ def _drop_inv_freq(stored: StoredTensors, s: dict, where: str) -> None:
         stored.drop(key)
 
 
-def _llama_model(s: dict, layout: str) -> CheckpointLM:
-    d, eps = s["hidden_size"], s["eps"]
-    blocks = [
-        PreNormBlock(
-            RMSNorm(d, eps=eps),
-            RotarySelfAttention(
-                d,
-                s["num_attention_heads"],
-                s["kv_heads"],
-                base=s["theta"],
-                layout=layout,
-                bias=s["attention_bias"],
-                scaling=s["scaling"],
-            ),
-            RMSNorm(d, eps=eps),
-            PositionwiseFeedForward(
-                d, s["intermediate_size"], activation="swiglu", bias=s["mlp_bias"]
-            ),
-        )
-        for _ in range(s["num_hidden_layers"])
-    ]
+def _rotary_attention(
+    s: dict, layout: str, layer: int, kind: type = RotarySelfAttention, **options: object
+) -> RotarySelfAttention:
+    """Llama's attention: RoPE, grouped keys and values, biases as the config says; ``kind``
+    and ``options``: a subclass and its own arguments (`utils.families`)."""
+    return kind(
+        s["hidden_size"],
+        s["num_attention_heads"],
+        s["kv_heads"],
+        base=s["theta"],
+        layout=layout,
+        bias=s["attention_bias"],
+        scaling=s["scaling"],
+        head_dim=s["head_dim"],
+        out_bias=s.get("out_bias"),
+        **options,
+    )
+
+
+def _swiglu(s: dict) -> PositionwiseFeedForward:
+    """Llama's feed-forward network: SwiGLU, gate_proj the gate, up_proj linear1."""
+    d, d_ff = s["hidden_size"], s["intermediate_size"]
+    return PositionwiseFeedForward(d, d_ff, activation="swiglu", bias=s["mlp_bias"])
+
+
+def _rope_embedding(s: dict) -> TokenPositionEmbedding:
     # No max_len: RoPE computes the rotation of any position, and the reference runs on past
     # max_position_embeddings (the length trained on, not a table's size).
-    embed = TokenPositionEmbedding(s["vocab_size"], d, None, learned_positions=False)
-    return CheckpointLM(embed, blocks, RMSNorm(d, eps=eps), s["tied"], "llama")
+    d = s["hidden_size"]
+    return TokenPositionEmbedding(s["vocab_size"], d, None, learned_positions=False)
 
 
-def _rope_slots(prefix: str, linear: nn.Linear, heads: int, layout: str) -> Slots:
-    """W_Q or W_K (and bias): as stored for the half layout, rows permuted for interleaved."""
-    slots = _linear_slots(prefix, linear)
+# The pieces of a Llama; a family of `utils.families` replaces some (its own ``s["parts"]``).
+LLAMA_PARTS = {
+    "norm": RMSNorm,  # (d, eps=) -> module
+    "attention": _rotary_attention,  # (settings, layout, layer) -> module
+    "ff": _swiglu,  # (settings) -> module
+    "embed": _rope_embedding,  # (settings) -> module
+}
+
+
+def _llama_model(s: dict, layout: str) -> CheckpointLM:
+    """The `CheckpointLM` of a Llama config's settings ``s``, with the pieces `LLAMA_PARTS`
+    names, or those a family's ``s["parts"]`` puts in their place."""
+    parts = LLAMA_PARTS | s.get("parts", {})
+    d, eps, norm = s["hidden_size"], s["eps"], parts["norm"]
+    blocks = [
+        PreNormBlock(
+            norm(d, eps=eps), parts["attention"](s, layout, i), norm(d, eps=eps), parts["ff"](s)
+        )
+        for i in range(s["num_hidden_layers"])
+    ]
+    family = s.get("family", "llama")
+    return CheckpointLM(parts["embed"](s), blocks, norm(d, eps=eps), s["tied"], family)
+
+
+def _rope_slots(prefix: str, linear: nn.Module, heads: int, layout: str) -> Slots:
+    """W_Q or W_K (and bias), or Qwen3's gain of one head's features (an `RMSNorm`, heads=1):
+    as stored for the half layout, rows permuted for interleaved."""
+    norm = isinstance(linear, RMSNorm)
+    slots = _norm_slots(prefix, linear) if norm else _linear_slots(prefix, linear)
     if layout == "interleaved":
         for name in ("weight", "bias"):
             key = f"{prefix}.{name}"
@@ -414,6 +405,10 @@ def _llama_slots(model: CheckpointLM, layout: str) -> Slots:
         slots |= _rope_slots(f"{p}.self_attn.k_proj", attn.w_k, attn.num_kv_heads, layout)
         slots |= _linear_slots(f"{p}.self_attn.v_proj", attn.w_v)
         slots |= _linear_slots(f"{p}.self_attn.o_proj", attn.w_o)
+        for name in ("q_norm", "k_norm"):  # Qwen3: a gain per head feature, permuted as W_Q
+            norm = getattr(attn, name, None)
+            if norm is not None:
+                slots |= _rope_slots(f"{p}.self_attn.{name}", norm, 1, layout)
         slots |= _linear_slots(f"{p}.mlp.gate_proj", ff.gate)
         slots |= _linear_slots(f"{p}.mlp.up_proj", ff.linear1)
         slots |= _linear_slots(f"{p}.mlp.down_proj", ff.linear2)
@@ -432,7 +427,8 @@ def load_llama(
 
     RoPE with base ``rope_theta`` on queries and keys (`RotarySelfAttention`), scaled as the
     config's ``rope_parameters`` (or ``rope_scaling``) say (`utils.rope_scaling`), grouped-query
-    attention with ``num_key_value_heads`` key/value heads, `RMSNorm` (``rms_norm_eps``) before
+    attention with ``num_key_value_heads`` key/value heads of ``head_dim`` features (default
+    hidden_size / num_attention_heads, as in the reference), `RMSNorm` (``rms_norm_eps``) before
     each sublayer and at the end, a SwiGLU feed-forward network (`PositionwiseFeedForward` with
     ``activation="swiglu"``: gate_proj is ``gate``, up_proj ``linear1``, down_proj ``linear2``),
     no biases unless the config asks for them, and an output projection tied to the token
@@ -455,21 +451,36 @@ def load_llama(
     Raises:
         FileNotFoundError: for a missing folder or file.
         ValueError: for an unsupported config (another model_type, a RoPE type other than
-            `utils.rope_scaling.ROPE_TYPES`, an activation
-            other than SiLU, a head_dim other than hidden_size / num_attention_heads,
-            pretraining_tp > 1), or a checkpoint with an unknown key, a missing key or a tensor
-            of the wrong shape, each named; a bad ``dtype`` or ``device`` as in `load_gpt2`.
+            `utils.rope_scaling.ROPE_TYPES`, an activation other than SiLU, pretraining_tp > 1),
+            a config its tensors contradict (heads, head_dim, sizes: `utils.checkpoint_fields`),
+            or a checkpoint with an unknown key, a missing key or a tensor of the wrong shape,
+            each named; a bad ``dtype`` or ``device`` as in `load_gpt2`.
     """
+    return load_rotary(directory, dtype, layout, device, _llama_settings)
+
+
+def load_rotary(
+    directory: str | Path,
+    dtype: object,
+    layout: str,
+    device: object,
+    settings: Callable[[dict], dict],
+) -> CheckpointLM:
+    """What `load_llama` and the loaders of `utils.families` share: ``settings(config)`` reads
+    and checks the config (its ``"parts"``, if any, replace Llama's pieces), then the stored
+    ``inv_freq`` buffers are checked and dropped, the config is checked against the tensors
+    (`check_llama_fields`), a tied head checked and dropped, and the model built on ``meta``
+    and filled."""
     layout = require_choice("layout", layout, ("half", "interleaved"))
     where = str(directory)
     with StoredTensors(directory) as stored:  # the files exist: now the arguments
         dtype, device = _where(dtype, device)
         stored.meta = device.type == "meta"
-        settings = _llama_settings(stored.config)
-        _drop_inv_freq(stored, settings, where)
-        check_llama_fields(stored.shapes, settings, where)
-        if settings["tied"]:
+        s = settings(stored.config)
+        _drop_inv_freq(stored, s, where)
+        check_llama_fields(stored.shapes, s, where)
+        if s["tied"]:
             stored.tied_head("lm_head.weight", "model.embed_tokens.weight", where)
         with torch.device("meta"):  # shapes only: no memory, no random initialization
-            model = _llama_model(settings, layout)
+            model = _llama_model(s, layout)
         return fill(model, stored, _llama_slots(model, layout), where, device, dtype)
