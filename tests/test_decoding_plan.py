@@ -74,11 +74,10 @@ def test_loaded_checkpoints_decode_the_same_tokens(checkpoints, name, monkeypatc
         assert planned_rows == checked_rows
 
 
-@pytest.mark.parametrize("name", sorted(test_families.PLANNED))
+@pytest.mark.parametrize("name", list(test_families.FAMILIES))
 def test_loaded_families_decode_the_same_tokens(name, tmp_path, monkeypatch):
-    """Mistral without a window and Qwen2 (biases on W_Q, W_K, W_V, none on W_O) are made of
-    the modules the plan knows: it runs them, to the checked path's tokens. (A window, q/k
-    norms or Gemma's pieces are new classes: the checked path runs them, tests/test_families.)"""
+    """Mistral, Qwen2, Qwen3 and Gemma (`utils.families`): the plan runs their windows (by
+    position: PROMPTS is ragged), q/k norms and Gemma's pieces, to the checked path's tokens."""
     prefix, overrides, load = test_families.FAMILIES[name]
     torch.manual_seed(0)
     test_pretrained._save(test_families._make(prefix, overrides), tmp_path)
@@ -86,6 +85,9 @@ def test_loaded_families_decode_the_same_tokens(name, tmp_path, monkeypatch):
     planned, checked, steps = _both(model, PROMPTS, 25, monkeypatch, eos=NEVER)
     assert steps == 24
     assert planned == checked
+    kw = {"temperature": 1.5, "eos": planned[0][3]}  # sampling, a row finished early
+    planned_rows, checked_rows, _ = _both(model, PROMPTS, 25, monkeypatch, seed=0, **kw)
+    assert planned_rows == checked_rows
 
 
 def test_gpt2_keeps_its_fused_projection_without_a_copy(checkpoints):  # noqa: F811

@@ -16,6 +16,7 @@ sequences (4 positions, prompts of up to 12 and 8 more tokens), or the tests cou
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -25,6 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_pretrained import NEVER, VOCAB, _save
 
+import utils.decoding as decoding
+import utils.decoding_plan as decoding_plan
 from utils.checkpoint_models import RotarySelfAttention
 from utils.decoding import generate
 from utils.decoding_plan import plan_for
@@ -82,8 +85,6 @@ FAMILIES = {
     ),
     "gemma/heads-of-16": ("Gemma", dict(head_dim=16, num_key_value_heads=1), load_gemma),
 }
-# The families whose every module the fast decoding path (`utils.decoding_plan`) knows.
-PLANNED = {"mistral/no-window", "qwen2/biases"}
 
 
 def _make(prefix, overrides):
@@ -212,7 +213,9 @@ def _planned(model):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_generation_equals_transformers_on_a_ragged_batch(made, name):
     """Ragged prompts share one batch in `generate`: a shorter row's new tokens sit in the
-    cache after slots of padding, so a window must count positions, not slots."""
+    cache after slots of padding, so a window must count positions, not slots; with the cache
+    the steps after the prompts run through the fast path (`utils.decoding_plan`), which must
+    apply the window, the q/k norms and Gemma's pieces too."""
     folder, hf = made[name]
     ours = _load(name, folder)
     prompts = _rows([12, 7, 5], seed=4)
@@ -220,12 +223,13 @@ def test_greedy_generation_equals_transformers_on_a_ragged_batch(made, name):
     assert generate(ours, prompts, 8, eos=NEVER) == expected
     assert generate(ours, prompts, 8, eos=NEVER, use_cache=False) == expected
     assert generate(ours, prompts[1:2], 8, eos=NEVER) == expected[1:2]
-    assert _planned(ours) == (name in PLANNED)  # a window or a new piece: the checked path
+    assert _planned(ours)  # the steps after the prompts ran through utils.decoding_plan
 
 
-def test_a_window_counted_in_slots_would_fail_the_ragged_batch(made, monkeypatch):
-    """Control: the window by cache slots (right only without a gap of padding) gives other
-    tokens for the short rows of a ragged batch, and the test above would see it."""
+def test_a_window_by_slots_or_none_would_fail_the_ragged_batch(made, monkeypatch):
+    """Controls: counted in cache slots (right only without a gap of padding), the window of
+    the checked path gives other tokens for the short rows of a ragged batch; the fast path
+    without the window gives other tokens too. The test above would see either."""
     folder, hf = made["mistral/window"]
     ours = _load("mistral/window", folder)
     prompts = _rows([12, 7, 5], seed=4)
@@ -234,9 +238,20 @@ def test_a_window_counted_in_slots_would_fail_the_ragged_batch(made, monkeypatch
     def slots(self, l_k, length, cache, positions):
         return torch.arange(l_k)[None]
 
-    monkeypatch.setattr(FamilyAttention, "key_positions", slots)
-    got = generate(ours, prompts, 8, eos=NEVER)
+    with monkeypatch.context() as m:
+        m.setattr(FamilyAttention, "key_positions", slots)
+        m.setattr(decoding, "plan_for", lambda *a: None)  # the checked path, through the cache
+        got = generate(ours, prompts, 8, eos=NEVER)
     assert got[0] == expected[0] and got[1:] != expected[1:]
+    init = decoding_plan._Layer.__init__
+
+    def windowless(self, *args):
+        init(self, *args)
+        self.window = None
+
+    with monkeypatch.context() as m:
+        m.setattr(decoding_plan._Layer, "__init__", windowless)
+        assert generate(ours, prompts, 8, eos=NEVER) != expected
 
 
 def _moved(hf, ours, tokens):
@@ -422,3 +437,24 @@ def test_the_window_is_chapter_4s_local_mask_and_needs_the_keys_positions():
         step = windowed(x[:, 4:5], None, cache=ours_cache, positions=torch.tensor([4]))
         torch.testing.assert_close(step, got[:, 4:5])
         assert ours_cache.positions.tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_gemmas_pieces_round_as_the_reference_in_bfloat16(made):
+    """In bfloat16 the embedding's factor sqrt(d) is rounded to the dtype before the product
+    (sqrt(32) = 5.657 becomes 5.656), and the (1 + w) norm rounds only at the end: the very
+    bits of the reference's modules, where the other orders differ."""
+    folder, hf = made["gemma/heads-of-16"]
+    ours = load_gemma(folder, dtype=torch.bfloat16)
+    ref = copy.deepcopy(hf).to(torch.bfloat16)
+    tokens = torch.tensor(_rows([12], seed=8))
+    with torch.no_grad():
+        got = ours.embed(tokens, torch.arange(12))
+        assert torch.equal(got, ref.model.embed_tokens(tokens))
+        unrounded = (ours.embed.weight[tokens].float() * 32**0.5).to(torch.bfloat16)
+        assert not torch.equal(got, unrounded)
+        x = torch.randn(3, 7, 32).to(torch.bfloat16)
+        norm = ours.blocks[0].norm1
+        assert torch.equal(norm(x), ref.model.layers[0].input_layernorm(x))
+        h = x.float()
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(torch.bfloat16)
+        assert not torch.equal(norm(x), y * (1 + norm.weight))  # Llama's order: rounded first

@@ -51,7 +51,7 @@ default reads every step on the CPU, where a read waits for nothing, and every
 Checked once: `generate` checks its arguments and every prompt id once, and runs the prompts
 through the model's own checked ``forward``. After that the loop feeds the model only what it
 made itself, so for the library's own decoder-only models (`utils.models.DecoderOnlyLM`, and
-GPT-2 and Llama as `utils.pretrained` loads them) each later step runs through
+GPT-2, Llama and the families of `utils.families` as they are loaded) each later step runs through
 `utils.decoding_plan.DecodePlan`: the same operations on the same parameters without the
 modules' per-call checks, which at a small model's size cost more than the arithmetic. A greedy
 step checks the B scores it picked (the first maximum of each row: NaN, +inf or an all -inf row

@@ -11,10 +11,10 @@ loop's step without them: the same operations on the same parameters as the modu
 * `utils.models.DecoderOnlyLM` (its `utils.transformer.EncoderLayer` stack, pre- or post-LN);
 * `utils.checkpoint_models.CheckpointLM` as `utils.pretrained` fills it: GPT-2 (LayerNorm,
   learned positions, GELU) and Llama (RMSNorm, RoPE, grouped keys and values, SwiGLU, heads of
-  any ``head_dim``), and the families of `utils.families` made of the same modules (Mistral
-  without a sliding window, Qwen2 without one). A window, Qwen3's q/k norms and Gemma's pieces
-  are classes of `utils.family_parts` that the plan does not know: those models decode through
-  their checked modules.
+  any ``head_dim``), and the families of `utils.families`, whose pieces of
+  `utils.family_parts` it runs too: a sliding window (the positions of the cache's slots kept
+  beside them, as `utils.family_parts.FamilyAttention` keeps them in the cache), Qwen3's norms
+  on queries and keys, Gemma's scaled embedding, (1 + w) RMSNorm and gated tanh GELU.
 
 It also keeps the query, key and value projections of a layer as one product, where the three
 weights lie side by side in memory as GPT-2's checkpoint stores them (`utils.pretrained` loads
@@ -49,6 +49,7 @@ from .checkpoint_models import (
     RotarySelfAttention,
     TokenPositionEmbedding,
 )
+from .family_parts import FamilyAttention, OffsetRMSNorm, ScaledTokenEmbedding
 from .kv_cache import DecoderCache, _in_room
 from .layers import (
     ACTIVATIONS,
@@ -74,6 +75,7 @@ _KNOWN = (DecoderOnlyLM, CheckpointLM, Encoder, EncoderLayer, PreNormBlock, Mult
           GroupedQueryAttention, RotarySelfAttention, PositionwiseFeedForward, GELUFeedForward,
           LayerNorm, RMSNorm, InputEmbedding, _OutputHead, TokenEmbedding,
           SinusoidalPositionalEncoding, LearnedPositionalEmbedding, TokenPositionEmbedding,
+          FamilyAttention, OffsetRMSNorm, ScaledTokenEmbedding,
           nn.Linear, nn.Embedding, nn.Dropout, nn.ModuleList)
 
 
@@ -147,8 +149,13 @@ class _Layer:
         self.h_kv = getattr(attn, "num_kv_heads", attn.num_heads)
         self.heads = [self.h, self.h_kv, self.h_kv]
         self.rope = None
-        if type(attn) is RotarySelfAttention:
+        if type(attn) in (RotarySelfAttention, FamilyAttention):
             self.rope = (attn.frequencies(), attn.layout)
+        # a family's window and q/k norms (`utils.family_parts`); key_pos: the plan's positions
+        # of the cache slots, (B, room), given to a layer with a window
+        self.window, self.qk_norms, self.key_pos = getattr(attn, "window", None), None, None
+        if getattr(attn, "q_norm", None) is not None:
+            self.qk_norms = (attn.q_norm.compute, attn.k_norm.compute)
         self.k_room, self.v_room = room
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -158,6 +165,11 @@ class _Layer:
         qkv = F.linear(x, self.w_qkv, self.b_qkv)  # (B, 1, (h + 2 h_kv) d_k)
         # (B, h + 2 h_kv, 1, d_k), cut into q (B, h, 1, d_k), k and v (B, h_kv, 1, d_k)
         q, k, v = qkv.view(b, 1, -1, self.d_k).transpose(1, 2).split_with_sizes(self.heads, dim=1)
+        if self.qk_norms is not None:
+            q, k = self.qk_norms[0](q), self.qk_norms[1](k)
+        if self.window is not None:  # the keys within the window's positions (B, slot + 1)
+            band = self.key_pos[:, : slot + 1] > positions - self.window
+            mask = band if mask is None else mask & band
         if self.rope is not None:
             freqs, layout = self.rope
             theta = positions.to(torch.float64)[:, None, :, None] * freqs  # (B, 1, 1, d_k/2)
@@ -217,6 +229,19 @@ class DecodePlan:
                            for block, room in zip(model.blocks, rooms, strict=True)]
             self.norm, self.head_w, self.head_b = model.norm.compute, model.head.weight, None
             self.tied = False
+            if type(embed) is ScaledTokenEmbedding:  # Gemma: the factor as its forward rounds it
+                factor = torch.tensor(embed.scale, dtype=torch.float32, device=self.table.device)
+                self.scale = factor.to(self.table.dtype)
+        self.key_pos = None  # with a window: the position of every cache slot, (B, room)
+        windowed = [c for c, layer in zip(cache.self_attn, self.layers, strict=True)
+                    if layer.window is not None]
+        if windowed:
+            held = windowed[0].positions  # (B or 1, slot), kept by the checked first step
+            bk = rooms[0][0]
+            self.key_pos = held.new_zeros(bk.shape[0], bk.shape[2])
+            self.key_pos[:, : self.slot] = held
+            for layer in self.layers:
+                layer.key_pos = self.key_pos
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
@@ -228,6 +253,8 @@ class DecodePlan:
             x = x + self.pe[positions]
         if self.learned is not None:
             x = x + self.learned[positions]
+        if self.key_pos is not None:
+            self.key_pos[:, self.slot] = positions[:, 0]
         for layer in self.layers:
             x = layer(x, positions, mask, self.slot)
         self.slot += 1
@@ -241,9 +268,11 @@ class DecodePlan:
     def close(self) -> None:
         """The cache's keys and values become the slots filled so far, as after the checked
         path's appends."""
-        for c in self.cache.self_attn:
+        for c, layer in zip(self.cache.self_attn, self.layers, strict=True):
             bk, bv = c._buffers
             c.k, c.v = bk[:, :, : self.slot], bv[:, :, : self.slot]
+            if layer.window is not None:
+                c.positions = self.key_pos[:, : self.slot]
 
 
 def plan_for(model: nn.Module, cache: DecoderCache | None) -> DecodePlan | None:
@@ -256,4 +285,9 @@ def plan_for(model: nn.Module, cache: DecoderCache | None) -> DecodePlan | None:
         return None
     if not _plain(model):
         return None
+    if type(model) is CheckpointLM and not all(
+            c.positions is not None and c.positions.shape[-1] == c.length
+            for block, c in zip(model.blocks, cache.self_attn, strict=True)
+            if getattr(block.attn, "window", None) is not None):
+        return None  # a window needs every cached key's position
     return DecodePlan(model, cache)
