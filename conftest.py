@@ -49,7 +49,7 @@ SLOWEST_NOTEBOOKS = (
     "12_images_and_convolution", "15_tokens_and_real_text", "18_choosing_the_next_token",
     "19_fine_tuning", "20_lora_and_preferences",
     "11_attention_beyond_text", "17_devices_and_precision", "13_fast_attention",
-    "16_beyond_one_machine", "14_real_models",
+    "16_beyond_one_machine", "21_published_checkpoints", "14_real_models",
     "a8_train",
     "08_encoder", "05_positional_encoding", "06_feed_forward",
 )

@@ -56,6 +56,7 @@ KEY_TERMS: list[tuple[str, str]] = [
     ("top-p", "book/18_choosing_the_next_token"),
     ("instruction tuning", "book/19_fine_tuning"),
     ("LoRA", "book/20_lora_and_preferences"),
+    ("sliding-window attention", "book/21_published_checkpoints"),
 ]
 # Words that are no key term (book/_ext/tested_transformer_search.py): the chapter whose
 # headings treat them must still come first or second, not be pushed down by the key terms of

@@ -87,6 +87,10 @@ KEY_TERMS: dict[str, str] = {
         "fine-tuning, instruction tuning, classification head, answer-only loss"
     ),
     "book/20_lora_and_preferences": "lora, low-rank adaptation, dpo, preference tuning",
+    "book/21_published_checkpoints": (
+        "sharded checkpoint, shards, rope scaling, sliding-window attention, "
+        "sliding window, mistral, qwen, gemma, sentencepiece, chat template"
+    ),
 }
 
 
