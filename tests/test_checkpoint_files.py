@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from test_pretrained import VOCAB, _assert_same_logits, _gpt2, _llama, _save
 
@@ -285,15 +287,26 @@ def test_older_files_with_inv_freq_buffers_load_and_are_checked(tmp_path):
     torch.manual_seed(6)
     hf = _save(_llama(num_attention_heads=4, num_key_value_heads=2), tmp_path / "plain")
     folder = _with_inv_freq(tmp_path / "plain", tmp_path / "old")
-    _assert_same_logits(hf, load_llama(folder), _tokens(2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # buffers that agree with the config: no warning
+        _assert_same_logits(hf, load_llama(folder), _tokens(2, 9))
     assert sum(p.numel() for p in load_llama(folder, device="meta").parameters()) > 0
+    # buffers that disagree are ignored, as transformers ignores them, and named in a warning
     wrong = _with_inv_freq(tmp_path / "plain", tmp_path / "wrong", scale=0.5)
-    with pytest.raises(
-        ValueError,
-        match=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq "
-        r"holds RoPE frequencies that differ .*rope_theta=500",
+    with pytest.warns(
+        UserWarning,
+        match=r"2 stored rotary_emb\.inv_freq buffer\(s\) \(such as model\.layers\.\d+\.self_attn"
+        r"\.rotary_emb\.inv_freq\) hold RoPE frequencies that differ .*rope_theta=500.* by up "
+        r"to 5\.0e-01 relative; they are ignored",
     ):
-        load_llama(wrong)
+        ours = load_llama(wrong)
+    _assert_same_logits(transformers.LlamaForCausalLM.from_pretrained(wrong), ours, _tokens(2, 9))
+    # a buffer of another width says the file's heads are not the config's: refused
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(3)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"rotary_emb\.inv_freq has shape \(3,\), expected \(4,\)"):
+        load_llama(folder)
 
 
 def test_a_meta_load_of_an_older_file_reads_nothing(tmp_path):

@@ -36,6 +36,7 @@ Nothing here touches the network: the directory must already be on disk.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -297,9 +298,13 @@ _INV_FREQ = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"
 
 def _drop_inv_freq(stored: StoredTensors, s: dict, where: str) -> None:
     """Drop stored ``rotary_emb.inv_freq`` buffers: the model computes its frequencies from the
-    config. Each is first compared with them (on ``meta``, its shape only), so that a file whose
-    frequencies are not the config's is refused, not silently read with others."""
+    config, as the reference does (it ignores the buffers). A buffer of the wrong shape says that
+    the file's head width is not the config's, and is refused; buffers whose frequencies differ
+    from the config's are dropped with a `UserWarning` that names them (on ``meta`` only their
+    shapes are read). Older files legitimately hold such buffers: linear scaling was once applied
+    to the positions, the buffers keeping plain RoPE's frequencies."""
     half = s["head_dim"] // 2
+    differ: list[tuple[str, float]] = []
     for key in [k for k in stored.shapes if _INV_FREQ.fullmatch(k)]:
         if stored.shapes[key] != (half,):
             raise ValueError(f"{where}: {key} has shape {stored.shapes[key]}, expected ({half},)")
@@ -307,12 +312,18 @@ def _drop_inv_freq(stored: StoredTensors, s: dict, where: str) -> None:
             expected = rope_frequencies(2 * half, s["theta"], s["scaling"])
             worst = ((stored.get(key).double() - expected).abs() / expected).max().item()
             if worst > 1e-5:
-                raise ValueError(
-                    f"{where}: {key} holds RoPE frequencies that differ from those config.json "
-                    f"gives (rope_theta={s['theta']}, scaling={s['scaling']}) by up to "
-                    f"{worst:.1e} relative"
-                )
+                differ.append((key, worst))
         stored.drop(key)
+    if differ:
+        key, worst = max(differ, key=lambda kw: kw[1])
+        warnings.warn(
+            f"{where}: {len(differ)} stored rotary_emb.inv_freq buffer(s) (such as {key}) hold "
+            f"RoPE frequencies that differ from those config.json gives (rope_theta="
+            f"{s['theta']}, scaling={s['scaling']}) by up to {worst:.1e} relative; they are "
+            f"ignored, as the reference ignores them: the config's frequencies are used",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _rotary_attention(
@@ -436,7 +447,8 @@ def load_llama(
     ``max_position_embeddings``, as the reference allows: RoPE has no table of positions (the
     model's ``max_len`` is None), though the model was trained on no longer text.
     ``rotary_emb.inv_freq`` buffers, which files written by older versions of `transformers`
-    hold, are compared with the frequencies the config gives and dropped.
+    hold, are dropped, as the reference ignores them; those whose frequencies differ from the
+    config's are named in a `UserWarning` (the config's frequencies are used).
 
     Args:
         directory: the folder with config.json and model.safetensors.
