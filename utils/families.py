@@ -93,14 +93,14 @@ FAMILY_CHANGES: dict[str, dict[str, str]] = {
         "attention": "grouped-query, sliding window",
         "feed-forward": "as Llama",
         "embedding": "as Llama",
-        "extends": "chapter 4 (local attention)",
+        "extends": "chapters 4 and 13 (local attention)",
     },
     "qwen2": {
         "norm": "as Llama",
         "positions": "as Llama",
         "attention": "grouped-query, biases on Q, K, V",
         "feed-forward": "as Llama",
-        "embedding": "as Llama",
+        "embedding": "as Llama; tied in the small models",
         "extends": "chapter 3 (projections)",
     },
     "qwen3": {
@@ -108,8 +108,8 @@ FAMILY_CHANGES: dict[str, dict[str, str]] = {
         "positions": "as Llama",
         "attention": "grouped-query, heads of their own width",
         "feed-forward": "as Llama",
-        "embedding": "as Llama",
-        "extends": "chapter 7 (RMSNorm)",
+        "embedding": "as Llama; tied in the small models",
+        "extends": "chapters 7 and 3 (RMSNorm, heads)",
     },
     "gemma": {
         "norm": "RMSNorm with gain 1 + w",
@@ -117,7 +117,7 @@ FAMILY_CHANGES: dict[str, dict[str, str]] = {
         "attention": "as Llama, heads of their own width",
         "feed-forward": "GeGLU (tanh form)",
         "embedding": "times sqrt(d_model), tied",
-        "extends": "chapters 5, 6, 7",
+        "extends": "chapters 3, 5, 6, 7",
     },
 }
 
