@@ -126,7 +126,8 @@ def test_bert_mask_tokens_errors():
 
 
 def test_random_windows_are_consecutive_ids_at_seeded_uniform_starts():
-    ids = torch.arange(1000, 1050)  # id = 1000 + position: a window shows where it starts
+    # id = 1000 + position: a window shows where it starts; int32, which the windows keep
+    ids = torch.arange(1000, 1050, dtype=torch.int32)
     batches = random_windows(ids, context=8, batch_size=4, seed=3)
     drawn = torch.cat([next(batches) for _ in range(500)])  # (2000, 9)
     assert drawn.shape == (2000, 9) and drawn.dtype == ids.dtype
@@ -164,7 +165,7 @@ def test_random_windows_equal_the_chapters_loop():
     "args, message",
     [
         (([1, 2, 3], 1, 1), "ids must be a 1-dim integer tensor, got list"),
-        ((torch.zeros(5), 1, 1), "1-dim integer tensor, got shape (5,) of torch.float32"),
+        ((torch.zeros(5), 1, 1), "ids must be a 1-dim integer tensor, got torch.float32"),
         ((torch.zeros(2, 5, dtype=torch.long), 1, 1), "got shape (2, 5)"),
         ((torch.arange(5), 5, 1), "more than context=5 ids (a window is context + 1), got 5"),
         ((torch.arange(5), 0, 1), "context"),
@@ -174,5 +175,8 @@ def test_random_windows_equal_the_chapters_loop():
     ],
 )
 def test_random_windows_refuses_bad_arguments_naming_them(args, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
         random_windows(*args)
+    ids, context = args[:2]
+    wrong_type = isinstance(ids, list) or ids.is_floating_point() or isinstance(context, float)
+    assert isinstance(caught.value, InputTypeError) == wrong_type

@@ -446,7 +446,9 @@ def random_windows(
     if not isinstance(ids, torch.Tensor):
         raise InputTypeError(f"ids must be a 1-dim integer tensor, got {type_name(ids)}")
     integer = not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
-    if ids.dim() != 1 or not integer:
+    if not integer:
+        raise InputTypeError(f"ids must be a 1-dim integer tensor, got {ids.dtype}")
+    if ids.dim() != 1:
         raise ValueError(
             f"ids must be a 1-dim integer tensor, got shape {tuple(ids.shape)} of {ids.dtype}"
         )
