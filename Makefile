@@ -27,7 +27,7 @@ LAB_ARGS ?=
 
 .PHONY: venv book test unit notebooks notebooks-generic-cpu book-tests lab serve assignments \
 	browser-deps execute bench bench-grade lint clean grade pdf pdf-deps train-distributed \
-	check-devices
+	check-devices freeze-prose
 
 # Everything installed is byte-compiled, on every core at once (pip would compile it file by
 # file: a minute and a half on one core): a graded notebook's process may not write anywhere but
@@ -126,6 +126,12 @@ serve: book
 # with one thread as the tests run them, so that the stored digits are the ones nbval reproduces.
 execute: venv
 	$(NBVAL_ENV) $(PY) tests/execute_notebooks.py $(or $(NB),book)
+
+# Copy every chapter's Markdown, as it is now, into book/data/prose/NN.txt: the corpus that
+# utils.data.book_prose gives chapters 15 and 18 to 21. Only on purpose: then re-execute those
+# chapters (CONTRIBUTING.md, "The frozen prose").
+freeze-prose: venv
+	$(PY) -c "from utils.data import freeze_prose; print(len(freeze_prose()), 'chapters')"
 
 # Chapter 9's model trained data-parallel by NPROC processes on the CPU (or one GPU each), with
 # PyTorch's DistributedDataParallel; the same script runs across machines (see its docstring).

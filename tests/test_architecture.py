@@ -29,6 +29,7 @@ LEVELS = {
     # pieces (chapters 1-7, 11-13): each is one idea, proved equal to PyTorch's
     "utils.convert": 1, "utils.masks": 1, "utils.attention": 1, "utils.kv_cache": 1,
     "utils.fast_attention": 1, "utils.positional": 1, "utils.layers": 1, "utils.data": 1,
+    "utils.corpus": 1,  # the book's prose, frozen, as a corpus (chapters 15, 18 to 21)
     "utils.convolution": 1, "utils.graph": 1, "utils.audio": 1,
     "utils.tokenizer": 1,  # byte-level BPE, proved equal to Hugging Face tokenizers
     "utils.tokenizer_json": 1,  # tokenizer.json (byte level, Metaspace), Llama 3's chat format

@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from utils.data import book_prose  # noqa: E402
+import utils.corpus as utils_corpus  # noqa: E402
+from utils.data import book_prose, freeze_prose  # noqa: E402
 from utils.tokenizer import (  # noqa: E402
     BYTE_TO_CHAR,
     CHAR_TO_BYTE,
@@ -364,6 +365,46 @@ def test_book_prose_holds_the_markdown_and_no_code():
     whole = book_prose()
     assert chapter_1 in whole and book_prose([2]) in whole and len(whole) > 200_000
     assert whole.index(chapter_1) < whole.index(book_prose([2]))
+
+
+def _notebook(folder: Path, name: str, *markdown: str) -> Path:
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": m} for m in markdown]
+    cells.insert(1, {"cell_type": "code", "metadata": {}, "source": "x = 1", "outputs": [],
+                     "execution_count": 1})
+    path = folder / name
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                "nbformat_minor": 5}), encoding="utf-8")
+    return path
+
+
+def test_book_prose_reads_the_frozen_copy_so_editing_a_chapter_changes_no_corpus(
+        tmp_path, monkeypatch):
+    book, frozen = tmp_path / "book", tmp_path / "prose"
+    book.mkdir()
+    first = _notebook(book, "01_a.ipynb", "# One\r\nwindows line end", "caf\u00e9 \u2211")
+    _notebook(book, "02_b.ipynb", "# Two")
+    (frozen / "07.txt").parent.mkdir()
+    (frozen / "07.txt").write_text("a chapter no longer in the book", encoding="utf-8")
+    written = freeze_prose(book, frozen)
+    assert [p.name for p in written] == ["01.txt", "02.txt"]
+    assert sorted(p.name for p in frozen.iterdir()) == ["01.txt", "02.txt"]  # 07 removed
+    monkeypatch.setattr(utils_corpus, "PROSE", frozen)
+    live = "# One\r\nwindows line end\n\ncaf\u00e9 \u2211\n\n# Two"
+    assert book_prose() == book_prose(book=book) == live  # exactly, \r\n included
+    _notebook(book, first.name, "# One, reworded", "a reader's own note")
+    assert book_prose(book=book).startswith("# One, reworded")
+    assert book_prose() == live  # the frozen copy: unchanged until frozen again
+    with pytest.raises(ValueError, match=r"no chapter 3 in the frozen prose .*: it has \[1, 2\]"):
+        book_prose([3])
+
+
+def test_the_shipped_frozen_prose_is_every_chapter_and_kept_byte_for_byte():
+    chapters = sorted(int(p.stem) for p in utils_corpus.PROSE.glob("[0-9][0-9].txt"))
+    assert chapters == list(range(1, len(chapters) + 1)) and len(chapters) >= 17
+    for number in chapters:  # each file is one chapter's Markdown, from its title on
+        assert book_prose([number]).startswith("# "), number
+    attributes = (BOOK.parent / ".gitattributes").read_text(encoding="utf-8").splitlines()
+    assert "book/data/prose/*.txt text eol=lf" in attributes  # no CRLF on a Windows checkout
 
 
 def test_book_prose_selects_chapters_in_order_and_rejects_bad_ones(tmp_path):

@@ -15,6 +15,8 @@ unless a maker is given ``device=``; ``batch.to(device)`` returns a copy with ev
 random token, 10% stay), for chapter 10's comparison with the simpler rule of
 `utils.tasks.MissingDigitTask`.
 
+`book_prose`, the book's own prose as a corpus, lives in `utils.corpus`; it is re-exported here.
+
 `random_windows` draws the training batches of a language model trained on one long text
 (chapter 15 derives it; chapters 18 to 20 train with it): windows of ``context + 1`` consecutive
 ids at random starts, the first ``context`` the input and the last ``context`` the targets.
@@ -27,16 +29,15 @@ is rounded or truncated in silence.
 
 from __future__ import annotations
 
-import json
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ._validation import InputTypeError, require_bool, require_int, require_real, type_name
+from .corpus import book_prose, freeze_prose
 from .devices import MovableBatch, resolve_device
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "MLMBatch",
     "bert_mask_tokens",
     "book_prose",
+    "freeze_prose",
     "random_windows",
 ]
 
@@ -381,43 +383,6 @@ def bert_mask_tokens(tokens: torch.Tensor, mask_id: int, vocab_size: int,
     inputs[kind == 2] = random_ids[kind == 2]
     targets = torch.where(chosen, tokens.long(), torch.full_like(inputs, PAD))
     return inputs.to(where), targets.to(where), kind.to(where)
-
-
-_BOOK = Path(__file__).resolve().parent.parent / "book"
-
-
-def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = None) -> str:
-    """The prose of the book: the text of the Markdown cells of its chapters, in chapter order.
-
-    A small corpus of our own, on disk and free of licences, for training a tokenizer. Code
-    cells and outputs are left out; cells are joined with a blank line, chapters too.
-
-    Args:
-        chapters: chapter numbers to read (``[3, 1]`` reads ``01_*.ipynb`` then ``03_*.ipynb``,
-            always in chapter order); None reads every ``NN_*.ipynb``.
-        book: the folder of the notebooks (default: ``book/`` next to the ``utils`` package).
-
-    Returns:
-        one str. A missing folder or chapter raises `ValueError`.
-    """
-    folder = _BOOK if book is None else Path(book)
-    if not folder.is_dir():
-        raise ValueError(f"no book folder at {folder}")
-    found = {int(p.name[:2]): p for p in folder.glob("[0-9][0-9]_*.ipynb")}
-    if chapters is None:
-        wanted = sorted(found)
-    else:
-        if isinstance(chapters, (str, bytes)) or not isinstance(chapters, Iterable):
-            raise InputTypeError(f"chapters must be a list of int, got {type_name(chapters)}")
-        wanted = sorted({require_int("chapter", c) for c in chapters})
-        missing = [c for c in wanted if c not in found]
-        if missing:
-            raise ValueError(f"no chapter {missing[0]} in {folder}: it has {sorted(found)}")
-    texts = []
-    for number in wanted:
-        cells = json.loads(found[number].read_text(encoding="utf-8"))["cells"]
-        texts += ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
-    return "\n\n".join(texts)
 
 
 def random_windows(
