@@ -13,7 +13,10 @@
     batch 1 decoding reads every weight once per token, so its speed has a ceiling: the
     memory bandwidth (the fastest of three ways of reading, `read_bandwidths`) over the bytes
     read per token, both printed; the row gives the fraction of that ceiling each contender
-    reaches.
+    reaches. Beside them, at batch 1, the weight products alone (`weight_products`): the same
+    products on the same tensors, in the layouts ours reads, and nothing else (no attention,
+    norms, cache or Python around them); the fraction they reach is what PyTorch's matrix-vector
+    kernels allow on this processor, the part of the gap that no decoding loop can close.
 
 Every contender makes exactly ``new_tokens`` tokens per row (no end token can stop one), and
 the tokens must be identical across all of them (`scripts/bench_harness.interleave` checks it
@@ -231,6 +234,41 @@ def bare_gpt2_loop(sd: dict, s: dict, prompts: torch.Tensor, new_tokens: int) ->
     return torch.stack(out, 1).tolist()
 
 
+UNCHECKED = object()  # the output of a contender that makes no tokens (`weight_products`)
+
+
+def weight_products(sd: dict, s: dict, head_w: torch.Tensor, batch: int, prompt: int,
+                    new_tokens: int) -> object:
+    """Only the weight products of greedy decoding, on the checkpoint's tensors: per layer the
+    Q/K/V, output and two feed-forward products (Conv1D's (in, out) weights, as ours reads
+    them), then the output head (``head_w``: ours, the token table as the loader lays it out),
+    for the prompt's rows at once and then one row per step, as many steps as every contender
+    makes. Nothing else: the time the matrix-vector kernels alone take for a decoding of
+    ``new_tokens`` tokens. Returns `UNCHECKED` (it makes no tokens)."""
+    d = s["d_model"]
+    parts = [[sd[f"transformer.h.{i}.{k}"] for k in (
+        "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+        "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")]
+        for i in range(s["layers"])]
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(batch * n, d, generator=g) for n in (prompt, 1)]
+    wide = [torch.randn(batch * n, 4 * d, generator=g) for n in (prompt, 1)]
+    with torch.inference_mode():
+        for step in range(new_tokens):
+            x, y = rows[step > 0], wide[step > 0]
+            for wa, ba, wp, bp, wf, bf, wm, bm in parts:
+                torch.addmm(ba, x, wa)
+                torch.addmm(bp, x, wp)
+                torch.addmm(bf, x, wf)
+                torch.addmm(bm, y, wm)
+            F.linear(x[-batch:], head_w)  # the head: the last position of each row
+    return UNCHECKED
+
+
+def _same_tokens(a: object, b: object) -> bool:
+    return b is UNCHECKED or a == b
+
+
 def read_bandwidths(mib: int = 512, repeats: int = 5) -> dict[str, float]:
     """Bytes per second one thread reads from memory, by three ways of reading a float32 matrix
     of ``mib`` MiB (far larger than any cache), the best of ``repeats`` passes each: a vector
@@ -307,17 +345,22 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                 if name == "ours" and batch == 1:
                     reads.append(read_bandwidths(mib, 2))
 
-            timings = interleave({
+            contenders = {
                 "ours": partial(generate, ours, prompts, n, eos=NEVER),
                 "transformers (sdpa)": partial(_hf_generate, theirs["sdpa"], prompts, n),
                 "transformers (eager)": partial(_hf_generate, theirs["eager"], prompts, n),
                 "bare loop": partial(bare_gpt2_loop, sd, s, prompts, n),
-            }, rounds, before=read)
+            }
+            if batch == 1:  # what the kernels alone allow, beside the ceiling
+                contenders["weight products alone"] = partial(
+                    weight_products, sd, s, ours.head.weight, batch, s["prompt"], n)
+            timings = interleave(contenders, rounds, before=read, same=_same_tokens)
             made = batch * n
             per_token = bytes_per_token(sd, s, batch)
             case = (f"{s['name']}: B={batch}, prompt {s['prompt']}, {n} new tokens, "
                     f"d={s['d_model']}, {s['layers']} layers, {params / 1e6:.1f}M parameters")
-            extra = {"tokens_per_s": {k: made / t.cpu_median for k, t in timings.items()},
+            extra = {"tokens_per_s": {k: made / t.cpu_median for k, t in timings.items()
+                                      if k != "weight products alone"},
                      "bytes_per_token": per_token}
             fractions = {}
             if reads:
@@ -333,6 +376,9 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                                               / 1e9 for k in reads[0]},
                           "ceiling_steps_per_s": bandwidth / per_token,
                           "fraction_of_ceiling": fractions}
+                if "weight products alone" in timings:  # ours / the products, per round
+                    extra["over_weight_products"] = ratio_summary(
+                        timings, "ours", "weight products alone")["ratio_median"]
             small = s["name"].startswith("GPT-2 small")
             for ref in ("transformers (sdpa)", "transformers (eager)", "bare loop"):
                 summary = ratio_summary(timings, "ours", ref)
@@ -353,6 +399,9 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                             f"{per_token / 1e6:.0f} MB per token = "
                             f"{extra['ceiling_steps_per_s']:.1f} tokens/s; reached (median per "
                             f"round): " + ", ".join(f"{k} {v:.0%}" for k, v in fractions.items()))
+                    if "weight products alone" in timings:
+                        note += (f"; ours takes {extra['over_weight_products']:.2f}x the time "
+                                 "of its weight products alone (median per round)")
                 rows.append(make_row(
                     "(f) decoding, GPT-2", case, "load_gpt2 + generate", ref, summary,
                     setup="1 thread, greedy, inference mode, float32", same="tokens identical",

@@ -80,6 +80,14 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     assert goals.count("not judged (--quick)") == sum(r["goal"] is not None
                                                       for r in data["rows"])
     assert "ceiling: " in text and "GB/s" in text  # the bandwidth ceiling at batch 1
+    for r in data["rows"]:  # beside it, at batch 1, what the weight products alone reach
+        if r["group"].startswith("(f)") and "B=1," in r["case"]:
+            assert set(r["fraction_of_ceiling"]) == {
+                "ours", "transformers (sdpa)", "transformers (eager)", "bare loop",
+                "weight products alone"}, r
+            assert 0 < r["fraction_of_ceiling"]["weight products alone"], r
+            assert r["over_weight_products"] > 0, r
+            assert "the time of its weight products alone" in r["note"], r
     assert text.count("\n| (") == len(data["rows"])  # every JSON row is a Markdown row
 
 
