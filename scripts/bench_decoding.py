@@ -14,9 +14,10 @@
     memory bandwidth (the fastest of three ways of reading, `read_bandwidths`) over the bytes
     read per token, both printed; the row gives the fraction of that ceiling each contender
     reaches. Beside them, at batch 1, the weight products alone (`weight_products`): the same
-    products on the same tensors, in the layouts ours reads, and nothing else (no attention,
-    norms, cache or Python around them); the fraction they reach is what PyTorch's matrix-vector
-    kernels allow on this processor, the part of the gap that no decoding loop can close.
+    products with the same weights, in the layouts ours reads, and nothing but those calls (no
+    attention, norms or cache); the fraction they reach is what PyTorch's matrix-vector kernels
+    allow on this processor in these layouts, a part of the gap no loop making these calls can
+    close.
 
 Every contender makes exactly ``new_tokens`` tokens per row (no end token can stop one), and
 the tokens must be identical across all of them (`scripts/bench_harness.interleave` checks it
@@ -261,7 +262,7 @@ def weight_products(sd: dict, s: dict, head_w: torch.Tensor, batch: int, prompt:
                 torch.addmm(bp, x, wp)
                 torch.addmm(bf, x, wf)
                 torch.addmm(bm, y, wm)
-            F.linear(x[-batch:], head_w)  # the head: the last position of each row
+            F.linear(x.view(batch, -1, d)[:, -1], head_w)  # the head: each row's last position
     return UNCHECKED
 
 

@@ -387,7 +387,7 @@ def test_book_prose_reads_the_frozen_copy_so_editing_a_chapter_changes_no_corpus
     (frozen / "07.txt").write_text("a chapter no longer in the book", encoding="utf-8")
     written = freeze_prose(book, frozen)
     assert [p.name for p in written] == ["01.txt", "02.txt"]
-    assert sorted(p.name for p in frozen.iterdir()) == ["01.txt", "02.txt"]  # 07 removed
+    assert sorted(p.name for p in frozen.iterdir()) == ["01.txt", "02.txt", "SHA256SUMS"]
     monkeypatch.setattr(utils_corpus, "PROSE", frozen)
     live = "# One\r\nwindows line end\n\ncaf\u00e9 \u2211\n\n# Two"
     assert book_prose() == book_prose(book=book) == live  # exactly, \r\n included
@@ -396,15 +396,30 @@ def test_book_prose_reads_the_frozen_copy_so_editing_a_chapter_changes_no_corpus
     assert book_prose() == live  # the frozen copy: unchanged until frozen again
     with pytest.raises(ValueError, match=r"no chapter 3 in the frozen prose .*: it has \[1, 2\]"):
         book_prose([3])
+    # a frozen file changed by hand (an editor that strips or adds a line end) is refused
+    (frozen / "02.txt").write_bytes(b"# Two\n")
+    assert book_prose([1]) == live.split("\n\n# Two")[0]
+    with pytest.raises(ValueError, match="02.txt is not the text that was frozen"):
+        book_prose()
+    # a folder without notebooks freezes nothing and deletes nothing
+    with pytest.raises(ValueError, match="no chapter notebooks"):
+        freeze_prose(tmp_path / "prose", frozen)
+    assert sorted(p.name for p in frozen.iterdir()) == ["01.txt", "02.txt", "SHA256SUMS"]
+    monkeypatch.setattr(utils_corpus, "PROSE", tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no frozen prose at"):
+        book_prose()
 
 
-def test_the_shipped_frozen_prose_is_every_chapter_and_kept_byte_for_byte():
+def test_the_shipped_frozen_prose_is_every_chapter_as_frozen_byte_for_byte():
     chapters = sorted(int(p.stem) for p in utils_corpus.PROSE.glob("[0-9][0-9].txt"))
     assert chapters == list(range(1, len(chapters) + 1)) and len(chapters) >= 17
+    whole = book_prose()  # checks every file against its SHA-256 in SHA256SUMS
     for number in chapters:  # each file is one chapter's Markdown, from its title on
-        assert book_prose([number]).startswith("# "), number
+        assert book_prose([number]).startswith("# ") and book_prose([number]) in whole
     attributes = (BOOK.parent / ".gitattributes").read_text(encoding="utf-8").splitlines()
-    assert "book/data/prose/*.txt text eol=lf" in attributes  # no CRLF on a Windows checkout
+    assert "book/data/prose/* -text" in attributes  # git never converts its line ends
+    live_1 = book_prose([1], book=utils_corpus.BOOK)  # the live chapter, from anywhere
+    assert live_1.startswith("# Attention from scratch")
 
 
 def test_book_prose_selects_chapters_in_order_and_rejects_bad_ones(tmp_path):

@@ -8,16 +8,18 @@ results; `freeze_prose` refreshes the copy on purpose. `utils.data` re-exports b
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from ._validation import InputTypeError, require_int, type_name
 
-__all__ = ["book_prose", "freeze_prose", "PROSE"]
+__all__ = ["book_prose", "freeze_prose", "BOOK", "PROSE"]
 
-_BOOK = Path(__file__).resolve().parent.parent / "book"
-PROSE = _BOOK / "data" / "prose"  # the frozen corpus: NN.txt, one file per chapter
+BOOK = Path(__file__).resolve().parent.parent / "book"  # the chapters' notebooks
+PROSE = BOOK / "data" / "prose"  # the frozen corpus: NN.txt, one file per chapter
+SUMS = "SHA256SUMS"  # beside them: the SHA-256 of each file, as freeze_prose wrote it
 
 
 def _notebook_prose(folder: Path) -> dict[int, Path]:
@@ -31,9 +33,28 @@ def _read_notebook(path: Path) -> str:
     return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-def _read_frozen(path: Path) -> str:
-    with path.open(encoding="utf-8", newline="") as f:  # the text exactly, line ends included
-        return f.read()
+def _frozen(folder: Path) -> dict[int, Path]:
+    found = {int(p.stem): p for p in folder.glob("[0-9][0-9].txt")} if folder.is_dir() else {}
+    if not found:
+        raise ValueError(f"no frozen prose at {folder} (no NN.txt): run `make freeze-prose`")
+    return found
+
+
+def _sums(folder: Path) -> dict[str, str]:
+    path = folder / SUMS
+    if not path.is_file():
+        raise ValueError(f"no {SUMS} in {folder}: run `make freeze-prose`")
+    return {name: digest for digest, name in
+            (line.split("  ", 1) for line in path.read_text(encoding="ascii").splitlines())}
+
+
+def _read_frozen(path: Path, sums: dict[str, str]) -> str:
+    data = path.read_bytes()  # the text exactly, line ends included
+    if hashlib.sha256(data).hexdigest() != sums.get(path.name):
+        raise ValueError(
+            f"{path} is not the text that was frozen (its SHA-256 differs from {SUMS}): "
+            f"restore it (git checkout {path.name}) or refreeze on purpose (make freeze-prose)")
+    return data.decode("utf-8")
 
 
 def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = None) -> str:
@@ -44,11 +65,12 @@ def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = 
     joined with a blank line, chapters too.
 
     By default the text is the **frozen** copy in ``book/data/prose/NN.txt``: each chapter's
-    Markdown as it stood when `freeze_prose` last wrote it. A corpus read from the live notebooks
-    would change whenever anyone edits a chapter (a reworded sentence, a reader's own note in a
-    cell), and with it every merge, loss and comparison of the chapters that train on it; the
-    frozen copy keeps their results what the book prints. ``book=`` reads a folder of notebooks
-    as they are now instead.
+    Markdown as it stood when `freeze_prose` last wrote it, checked against the SHA-256 it
+    recorded. A corpus read from the live notebooks would change whenever anyone edits a chapter
+    (a reworded sentence, a reader's own note in a cell), and with it every merge, loss and
+    comparison of the chapters that train on it; the frozen copy keeps their results what the
+    book prints. ``book=`` reads a folder of notebooks as they are now instead (``book=BOOK``:
+    the book's own, from any working directory).
 
     Args:
         chapters: chapter numbers to read (``[3, 1]`` reads chapter 1 then chapter 3, always in
@@ -56,14 +78,17 @@ def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = 
         book: a folder of ``NN_*.ipynb`` notebooks to read live (default: the frozen copy).
 
     Returns:
-        one str. A missing folder or chapter raises `ValueError`.
+        one str. A missing folder or chapter, or a frozen file changed since it was frozen,
+        raises `ValueError`.
     """
     if book is None:
-        found = {int(p.stem): p for p in PROSE.glob("[0-9][0-9].txt")}
-        where, read = f"the frozen prose ({PROSE})", _read_frozen
+        found, sums = _frozen(PROSE), _sums(PROSE)
+        where = f"the frozen prose ({PROSE})"
+
+        def read(path: Path) -> str:
+            return _read_frozen(path, sums)
     else:
-        found = _notebook_prose(Path(book))
-        where, read = str(book), _read_notebook
+        found, where, read = _notebook_prose(Path(book)), str(book), _read_notebook
     if chapters is None:
         wanted = sorted(found)
     else:
@@ -77,23 +102,29 @@ def book_prose(chapters: Iterable[int] | None = None, book: str | Path | None = 
 
 
 def freeze_prose(book: str | Path | None = None, out: str | Path | None = None) -> list[Path]:
-    """Write each chapter's prose, read live from the notebooks in ``book`` (default: the
-    book's), to ``out/NN.txt`` (default: ``book/data/prose``), the copy `book_prose` reads;
-    files of chapters no longer in ``book`` are removed. Returns the paths written.
+    """Write each chapter's prose, read live from the notebooks in ``book`` (default: `BOOK`),
+    to ``out/NN.txt`` (default: ``book/data/prose``), the copy `book_prose` reads, with the
+    SHA-256 of each file in ``out/SHA256SUMS``; then remove the files of chapters no longer in
+    ``book``. A folder without notebooks raises `ValueError` and changes nothing. Returns the
+    paths written.
 
     Run it (``make freeze-prose``) only on purpose, then re-execute the chapters that train on
     the prose (CONTRIBUTING.md, "The frozen prose"): their stored outputs come from the old copy.
     """
-    found = _notebook_prose(_BOOK if book is None else Path(book))
+    found = _notebook_prose(BOOK if book is None else Path(book))
+    if not found:
+        raise ValueError(f"no chapter notebooks (NN_*.ipynb) in {book}: nothing frozen")
     folder = PROSE if out is None else Path(out)
     folder.mkdir(parents=True, exist_ok=True)
+    written, sums = [], []
+    for number, path in sorted(found.items()):
+        target = folder / f"{number:02d}.txt"
+        data = _read_notebook(path).encode("utf-8")
+        target.write_bytes(data)
+        written.append(target)
+        sums.append(f"{hashlib.sha256(data).hexdigest()}  {target.name}\n")
+    (folder / SUMS).write_text("".join(sums), encoding="ascii")
     for old in folder.glob("[0-9][0-9].txt"):
         if int(old.stem) not in found:
             old.unlink()
-    written = []
-    for number, path in sorted(found.items()):
-        target = folder / f"{number:02d}.txt"
-        with target.open("w", encoding="utf-8", newline="") as f:
-            f.write(_read_notebook(path))
-        written.append(target)
     return written
