@@ -13,11 +13,10 @@
     batch 1 decoding reads every weight once per token, so its speed has a ceiling: the
     memory bandwidth (the fastest of three ways of reading, `read_bandwidths`) over the bytes
     read per token, both printed; the row gives the fraction of that ceiling each contender
-    reaches. Beside them, at batch 1, the weight products alone (`weight_products`): the same
-    products with the same weights, in the layouts ours reads, and nothing but those calls (no
-    attention, norms or cache); the fraction they reach is what PyTorch's matrix-vector kernels
-    allow on this processor in these layouts, a part of the gap no loop making these calls can
-    close.
+    reaches. Beside them, at batch 1, the weight products alone (`weight_products`): ours'
+    products, on its own parameters, and nothing but those calls (no attention, norms or
+    cache); the fraction they reach is what PyTorch's matrix-vector kernels allow on this
+    processor in these layouts, a part of the gap no loop making these calls can close.
 
 Every contender makes exactly ``new_tokens`` tokens per row (no end token can stop one), and
 the tokens must be identical across all of them (`scripts/bench_harness.interleave` checks it
@@ -238,31 +237,32 @@ def bare_gpt2_loop(sd: dict, s: dict, prompts: torch.Tensor, new_tokens: int) ->
 UNCHECKED = object()  # the output of a contender that makes no tokens (`weight_products`)
 
 
-def weight_products(sd: dict, s: dict, head_w: torch.Tensor, batch: int, prompt: int,
-                    new_tokens: int) -> object:
-    """Only the weight products of greedy decoding, on the checkpoint's tensors: per layer the
-    Q/K/V, output and two feed-forward products (Conv1D's (in, out) weights, as ours reads
-    them), then the output head (``head_w``: ours, the token table as the loader lays it out),
-    for the prompt's rows at once and then one row per step, as many steps as every contender
-    makes. Nothing else: the time the matrix-vector kernels alone take for a decoding of
-    ``new_tokens`` tokens. Returns `UNCHECKED` (it makes no tokens)."""
-    d = s["d_model"]
-    parts = [[sd[f"transformer.h.{i}.{k}"] for k in (
-        "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
-        "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")]
-        for i in range(s["layers"])]
+def weight_products(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int) -> object:
+    """Only the weight products of greedy decoding, made as `utils.decoding_plan.DecodePlan`
+    makes them, with ``model``'s own parameters (the same memory ours reads): per block the
+    Q/K/V product (one, on the joined weight), the output projection and the two feed-forward
+    products, then the output head at each row's last position; for the prompt's rows at once,
+    then one row per step, as many steps as every contender makes. Nothing else: the time these
+    matrix-vector calls alone take for a decoding of ``new_tokens`` tokens. Returns `UNCHECKED`
+    (it makes no tokens)."""
+    from utils.decoding_plan import _fused_qkv
+
+    d = model.embed.tokens.weight.shape[1]
+    parts = [(*_fused_qkv(b.attn), b.attn.w_o.weight, b.attn.w_o.bias, b.ff.linear1.weight,
+              b.ff.linear1.bias, b.ff.linear2.weight, b.ff.linear2.bias) for b in model.blocks]
+    head_w = model.head.weight
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randn(batch * n, d, generator=g) for n in (prompt, 1)]
-    wide = [torch.randn(batch * n, 4 * d, generator=g) for n in (prompt, 1)]
+    rows = [torch.randn(batch, n, d, generator=g) for n in (prompt, 1)]
+    wide = [torch.randn(batch, n, parts[0][4].shape[0], generator=g) for n in (prompt, 1)]
     with torch.inference_mode():
         for step in range(new_tokens):
             x, y = rows[step > 0], wide[step > 0]
             for wa, ba, wp, bp, wf, bf, wm, bm in parts:
-                torch.addmm(ba, x, wa)
-                torch.addmm(bp, x, wp)
-                torch.addmm(bf, x, wf)
-                torch.addmm(bm, y, wm)
-            F.linear(x.view(batch, -1, d)[:, -1], head_w)  # the head: each row's last position
+                F.linear(x, wa, ba)
+                F.linear(x, wp, bp)
+                F.linear(x, wf, bf)
+                F.linear(y, wm, bm)
+            F.linear(x[:, -1], head_w)  # the head: each row's last position
     return UNCHECKED
 
 
@@ -354,7 +354,7 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
             }
             if batch == 1:  # what the kernels alone allow, beside the ceiling
                 contenders["weight products alone"] = partial(
-                    weight_products, sd, s, ours.head.weight, batch, s["prompt"], n)
+                    weight_products, ours, batch, s["prompt"], n)
             timings = interleave(contenders, rounds, before=read, same=_same_tokens)
             made = batch * n
             per_token = bytes_per_token(sd, s, batch)

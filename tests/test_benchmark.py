@@ -103,7 +103,8 @@ def test_benchmark_refuses_cuda_without_a_gpu(tmp_path):
 
 
 class _WeightReads:
-    """The right-hand operands (shape, strides) of every matrix product run while active."""
+    """The right-hand operands (address, shape, strides) of every matrix product run while
+    active."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,7 +120,7 @@ class _WeightReads:
                     w = args[products[func]]
                     if func is aten.linear.default:  # x W^T: the matrix it reads is W^T
                         w = w.t()
-                    seen.append((tuple(w.shape), tuple(w.stride())))
+                    seen.append((w.data_ptr(), tuple(w.shape), tuple(w.stride())))
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode()
@@ -134,19 +135,18 @@ class _WeightReads:
 
 def test_weight_products_reads_what_a_decoding_step_of_ours_reads(tmp_path):
     """Row (f)'s "weight products alone" must be the products ours makes per decoding step: the
-    same weight matrices in the same layouts, each once, and nothing more (the steps after the
-    prompt's pass, counted as the difference between 4 tokens and 1)."""
+    same weight tensors (the same memory) in the same layouts, each once, and nothing more (the
+    steps after the prompt's pass, counted as the difference between 4 tokens and 1)."""
     from collections import Counter
 
     from bench_decoding import GPT2_QUICK, NEVER, weight_products, write_gpt2
-    from safetensors.torch import load_file
 
     from utils.decoding import generate
     from utils.pretrained import load_gpt2
 
     s = GPT2_QUICK[0]
     write_gpt2(tmp_path, s)
-    sd, ours = load_file(str(tmp_path / "model.safetensors")), load_gpt2(tmp_path).eval()
+    ours = load_gpt2(tmp_path).eval()
     prompts = torch.randint(0, s["vocab"], (2, 4), generator=torch.Generator().manual_seed(0))
     reads = {}
     for n in (1, 4):
@@ -154,11 +154,13 @@ def test_weight_products_reads_what_a_decoding_step_of_ours_reads(tmp_path):
             generate(ours, prompts, n, eos=NEVER)
         reads["ours", n] = Counter(seen)
         with _WeightReads() as seen:
-            weight_products(sd, s, ours.head.weight, 2, 4, n)
+            weight_products(ours, 2, 4, n)
         reads["products", n] = Counter(seen)
     steps = {who: reads[who, 4] - reads[who, 1] for who in ("ours", "products")}
     d, v = s["d_model"], s["vocab"]
     assert steps["ours"] == steps["products"]
-    assert steps["ours"][(d, v), (v, 1)] == 3  # the head, (d, V) rows first, once a step
-    assert steps["ours"][(d, 3 * d), (3 * d, 1)] == 3 * s["layers"]  # Q/K/V as one product
+    shapes = Counter({(shape, stride): k for (_, shape, stride), k in steps["ours"].items()})
+    assert shapes[(d, v), (v, 1)] == 3  # the head, (d, V) rows first, once a step
+    assert shapes[(d, 3 * d), (3 * d, 1)] == 3 * s["layers"]  # Q/K/V as one product
     assert sum(steps["ours"].values()) == 3 * (4 * s["layers"] + 1)
+    assert len(steps["ours"]) == 4 * s["layers"] + 1  # each a tensor of its own
