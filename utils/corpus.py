@@ -53,7 +53,7 @@ def _read_frozen(path: Path, sums: dict[str, str]) -> str:
     if hashlib.sha256(data).hexdigest() != sums.get(path.name):
         raise ValueError(
             f"{path} is not the text that was frozen (its SHA-256 differs from {SUMS}): "
-            f"restore it (git checkout {path.name}) or refreeze on purpose (make freeze-prose)")
+            f"restore it (git checkout -- {path}) or refreeze on purpose (make freeze-prose)")
     return data.decode("utf-8")
 
 
