@@ -235,6 +235,7 @@ def bare_gpt2_loop(sd: dict, s: dict, prompts: torch.Tensor, new_tokens: int) ->
 
 
 UNCHECKED = object()  # the output of a contender that makes no tokens (`weight_products`)
+PRODUCTS = "weight products alone"  # its name among the contenders of row (f)
 
 
 def weight_products(model: torch.nn.Module, batch: int, prompt: int, new_tokens: int) -> object:
@@ -353,7 +354,7 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                 "bare loop": partial(bare_gpt2_loop, sd, s, prompts, n),
             }
             if batch == 1:  # what the kernels alone allow, beside the ceiling
-                contenders["weight products alone"] = partial(
+                contenders[PRODUCTS] = partial(
                     weight_products, ours, batch, s["prompt"], n)
             timings = interleave(contenders, rounds, before=read, same=_same_tokens)
             made = batch * n
@@ -361,7 +362,7 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
             case = (f"{s['name']}: B={batch}, prompt {s['prompt']}, {n} new tokens, "
                     f"d={s['d_model']}, {s['layers']} layers, {params / 1e6:.1f}M parameters")
             extra = {"tokens_per_s": {k: made / t.cpu_median for k, t in timings.items()
-                                      if k != "weight products alone"},
+                                      if k != PRODUCTS},
                      "bytes_per_token": per_token}
             fractions = {}
             if reads:
@@ -377,9 +378,9 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                                               / 1e9 for k in reads[0]},
                           "ceiling_steps_per_s": bandwidth / per_token,
                           "fraction_of_ceiling": fractions}
-                if "weight products alone" in timings:  # ours / the products, per round
+                if PRODUCTS in timings:  # ours / the products, per round
                     extra["over_weight_products"] = ratio_summary(
-                        timings, "ours", "weight products alone")["ratio_median"]
+                        timings, "ours", PRODUCTS)["ratio_median"]
             small = s["name"].startswith("GPT-2 small")
             for ref in ("transformers (sdpa)", "transformers (eager)", "bare loop"):
                 summary = ratio_summary(timings, "ours", ref)
@@ -400,7 +401,7 @@ def gpt2_rows(configs: list[dict], rounds: int, quick: bool) -> list[dict]:
                             f"{per_token / 1e6:.0f} MB per token = "
                             f"{extra['ceiling_steps_per_s']:.1f} tokens/s; reached (median per "
                             f"round): " + ", ".join(f"{k} {v:.0%}" for k, v in fractions.items()))
-                    if "weight products alone" in timings:
+                    if "over_weight_products" in extra:
                         note += (f"; ours takes {extra['over_weight_products']:.2f}x the time "
                                  "of its weight products alone (median per round)")
                 rows.append(make_row(
